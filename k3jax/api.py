@@ -1,0 +1,66 @@
+"""`load_model` and `Model`: config + parameters + tokenizer, with a plain full forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import numpy as np
+
+from k3jax.config import ModelConfig, preset, preset_names
+from k3jax.engine.runner import SeqWork, pack_step
+from k3jax.model.forward import Params, step
+from k3jax.state import init_state
+
+LOGITS_PAGE_SIZE = 64
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: Params
+    tokenizer: object
+    impl: str = "xla"
+    mesh: object = None
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """One plain forward over `token_ids` from an empty context: f32 logits `[T, vocab]`."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("token_ids is empty")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        T = int(ids.size)
+        P = -(-T // 64) * 64
+        n_pages = -(-T // LOGITS_PAGE_SIZE)
+        state = init_state(self.config, slots=2, pages=n_pages + 1, page_size=LOGITS_PAGE_SIZE)
+        work = SeqWork(tokens=ids.tolist(), start=0, slot=1, pages=list(range(1, n_pages + 1)), all_logits=True)
+        packed = pack_step([], [work], D=0, P=P, NP=1, pages_per_seq=n_pages, R=P)
+        out, _ = step(self.params, state, packed.batch, self.config, self.impl)
+        return np.asarray(out)[packed.rows[0]]
+
+
+def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None = None) -> Model:
+    """A preset name (random weights, seeded) or a checkpoint directory (safetensors or orbax)."""
+    from k3jax.model.init import init_params
+    from k3jax.tokenizer import load_tokenizer
+
+    if os.path.isdir(name_or_dir):
+        from k3jax.weights import load_checkpoint
+
+        cfg, params = load_checkpoint(name_or_dir, dtype=dtype)
+        tok = load_tokenizer(name_or_dir, cfg)
+    else:
+        if os.sep in name_or_dir or name_or_dir.startswith("."):
+            raise FileNotFoundError(f"no checkpoint directory at {name_or_dir!r}")
+        if name_or_dir not in preset_names():
+            raise ValueError(
+                f"unknown model {name_or_dir!r}: not a directory and not a preset ({', '.join(preset_names())})"
+            )
+        cfg = preset(name_or_dir)
+        if dtype:
+            cfg = cfg.replace(dtype=dtype)
+        params = init_params(cfg, seed)
+        tok = load_tokenizer(None, cfg)
+    return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh)

@@ -1,0 +1,170 @@
+"""`k3jax` command line. Subcommands: `generate` (stream a completion for one prompt).
+
+User errors (unknown preset, missing directory, empty prompt, bad sampling values) print one line
+to stderr and exit with status 2; progress goes through `logging` to stderr, generated text to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from k3jax.config import preset_names
+from k3jax.sampling import SamplingParams
+
+log = logging.getLogger("k3jax")
+
+_EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A problem with the command line input: reported in one line, no traceback."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3jax", description="JAX inference for Kimi-K3-class hybrid models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    g = sub.add_parser(
+        "generate",
+        help="stream a completion of one prompt to stdout",
+        description="Generate a completion for one prompt and stream its text to stdout as tokens arrive. "
+                    "Progress and a timing summary go to stderr.",
+    )
+    g.add_argument("--model", default="k3-tiny", metavar="PRESET_OR_DIR",
+                   help=f"a preset with random weights ({', '.join(preset_names())}) or a checkpoint directory "
+                        "(default: %(default)s)")
+    g.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text (required, not empty)")
+    g.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens, metavar="N",
+                   help="stop after generating N tokens (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=SamplingParams.temperature, metavar="T",
+                   help="softmax temperature; 0 means greedy (always the most likely token) (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, metavar="P",
+                   help="nucleus sampling: sample only from the most likely tokens whose probability "
+                        "reaches P, in (0, 1]; 1 disables it (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="K",
+                   help="sample only from the K most likely tokens; 0 disables it (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="sampling seed for reproducible output (default: a fresh random seed per run)")
+    g.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="stop after the token that completes STR (repeatable; the stop string is printed; default: none)")
+    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per MLA KV-cache page (default: %(default)s)")
+    g.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens processed per prefill step (default: %(default)s)")
+    g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to the prompt (default: off)")
+    g.add_argument("--show-special", action="store_true",
+                   help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress messages and no summary on stderr (default: off)")
+    return parser
+
+
+def _generate(args) -> int:
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not args.prompt:
+        raise UserError("--prompt is empty")
+    for flag, v in (("--page-size", args.page_size), ("--prefill-chunk", args.prefill_chunk)):
+        if v < 1:
+            raise UserError(f"{flag} must be a positive integer, got {v}")
+
+    import k3jax.api
+    from k3jax.engine.simple import generate_stream
+    from k3jax.tokenizer import IncrementalDecoder
+
+    t0 = time.perf_counter()
+    log.info("loading model %s", args.model)
+    try:
+        model = k3jax.api.load_model(args.model)
+        sampling.validate(model.config.vocab_size)
+        prompt_ids = model.tokenizer.encode(args.prompt, add_bos=args.add_bos)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        raise UserError(str(e)) from None
+    load_s = time.perf_counter() - t0
+    kind = "checkpoint" if os.path.isdir(args.model) else "preset with random weights"
+    log.info("loaded %s (%s) in %.2f s; prompt is %d tokens", model.config.name, kind, load_s, len(prompt_ids))
+
+    detok = IncrementalDecoder(model.tokenizer, skip_special=not args.show_special)
+    stats: dict = {}
+    out = sys.stdout
+    t_start = time.perf_counter()
+    times: list[float] = []
+    try:
+        for tok in generate_stream(model, prompt_ids, sampling, page_size=args.page_size,
+                                   prefill_chunk=args.prefill_chunk, warmup=True, stats=stats):
+            times.append(time.perf_counter())
+            out.write(detok.push(tok))
+            out.flush()
+    except ValueError as e:  # e.g. a prompt longer than the model's context
+        raise UserError(str(e)) from None
+    out.write(detok.flush() + "\n")
+    out.flush()
+    if not args.quiet:
+        _summary(stats, times, t_start, load_s)
+    return 0
+
+
+def _summary(stats: dict, times: list[float], t_start: float, load_s: float):
+    n = len(times)
+    warm = stats.get("warmup_s", 0.0)
+    parts = [f"prompt {stats.get('prompt_tokens', 0)} tokens", f"generated {n} ({stats.get('finish_reason')})"]
+    parts.append(f"model load {load_s:.2f} s")
+    parts.append(f"compile + padded warm-up steps {warm:.2f} s")
+    if n:
+        parts.append(f"time to first token {times[0] - t_start - warm:.3f} s (prefill + sampling, compile excluded)")
+    if n > 1:
+        dt = times[-1] - times[0]
+        parts.append(f"decode {n - 1} tokens in {dt:.3f} s = {(n - 1) / dt:.1f} tokens/s (compile excluded)")
+    if n:
+        parts.append(f"end-to-end {times[-1] - t_start:.2f} s incl. compile")
+    print("; ".join(parts), file=sys.stderr)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at emit time (main() may run in-process, e.g. in tests)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _setup_logging(level: int):
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[k3jax] %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(logging.WARNING if getattr(args, "quiet", False) else logging.INFO)
+    try:
+        sys.stdout.reconfigure(errors="replace")  # model text may not fit a non-UTF-8 terminal
+    except (AttributeError, ValueError):
+        pass
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        parser.error(f"unknown command {args.command!r}")
+    except UserError as e:
+        print(f"k3jax {args.command}: error: {e}", file=sys.stderr)
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

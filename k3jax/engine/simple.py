@@ -1,0 +1,106 @@
+"""A minimal single-request generation loop (the CLI's engine until the batched engine lands).
+
+One request owns slot 1 and pages 1..n of a private state; the prompt is prefilled in chunks, then
+one token is decoded per step. Shapes are fixed per request (one prefill bucket, one decode
+bucket, one page-table width), so each step kind compiles once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from k3jax.engine.runner import SeqWork, pack_step
+from k3jax.model.forward import step
+from k3jax.sampling import SamplingParams, request_key, resolve_seed, sample
+from k3jax.state import init_state
+from k3jax.tokenizer import IncrementalDecoder
+
+log = logging.getLogger(__name__)
+
+SLOT = 1  # slot 0 is the padding sink
+
+
+def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, *, page_size: int = 16,
+                    prefill_chunk: int = 256, warmup: bool = False, stats: dict | None = None) -> Iterator[int]:
+    """Yield the generated token ids of one request as they are sampled.
+
+    Stops after `max_new_tokens` tokens, after EOS (yielded), after the token that completes a stop
+    string (yielded), or at the model's context limit. `warmup=True` first runs padding-only steps
+    (they touch only the sinks) so compilation happens before the prompt is processed. `stats`, if
+    given, receives `warmup_s`, `prompt_tokens`, `generated_tokens` and `finish_reason`.
+    """
+    cfg = model.config
+    sampling.validate(cfg.vocab_size)
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size})")
+    if page_size < 1 or prefill_chunk < 1:
+        raise ValueError("page_size and prefill_chunk must be positive")
+    limit = cfg.max_position_embeddings
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context holds {limit} "
+                         f"(prompt plus at least one generated token)")
+    max_new = min(sampling.max_new_tokens, limit - len(prompt))
+    pages_per_seq = -(-(len(prompt) + max_new) // page_size)
+    P = -(-min(prefill_chunk, len(prompt)) // 64) * 64
+    chunk = min(prefill_chunk, P)
+    stats = {} if stats is None else stats
+    stats.update(prompt_tokens=len(prompt), generated_tokens=0, warmup_s=0.0, finish_reason=None)
+
+    state = init_state(cfg, slots=2, pages=pages_per_seq + 1, page_size=page_size)
+    temperature = np.array([sampling.temperature], np.float32)
+    top_k = np.array([sampling.top_k], np.int32)
+    top_p = np.array([sampling.top_p], np.float32)
+    seed = resolve_seed(sampling.seed)
+
+    def run(decode, prefill, D, P_, NP):
+        nonlocal state
+        packed = pack_step(decode, prefill, D=D, P=P_, NP=NP, pages_per_seq=pages_per_seq)
+        logits, state = step(model.params, state, packed.batch, cfg, model.impl)
+        return logits
+
+    if warmup:
+        t0 = time.perf_counter()
+        log.info("compiling prefill (%d tokens) and decode steps", P)
+        for logits in (run([], [], 0, P, 1), run([], [], 1, 0, 0)):  # padding only: sinks absorb the writes
+            np.asarray(sample(logits, temperature, top_k, top_p, request_key(0, 0)[None]))
+        stats["warmup_s"] = time.perf_counter() - t0
+        log.info("compiled in %.2f s", stats["warmup_s"])
+
+    def pages(end: int) -> list[int]:
+        return list(range(1, 1 + -(-end // page_size)))
+
+    for s in range(0, len(prompt), chunk):
+        toks = prompt[s : s + chunk]
+        logits = run([], [SeqWork(tokens=toks, start=s, slot=SLOT, pages=pages(s + len(toks)))], 0, P, 1)
+
+    stops = sampling.stop_strings
+    longest_stop = max((len(x) for x in stops), default=0)
+    detok = IncrementalDecoder(model.tokenizer) if stops and model.tokenizer is not None else None
+    text = ""
+    pos = len(prompt)
+    for n in range(max_new):
+        tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None]))[0])
+        stats["generated_tokens"] = n + 1
+        yield tok
+        if tok == cfg.eos_token_id:
+            stats["finish_reason"] = "eos"
+            return
+        if detok is not None:
+            new = detok.push(tok)
+            text = text[-(longest_stop - 1):] if longest_stop > 1 else ""
+            text += new
+            if new and any(x in text for x in stops):
+                stats["finish_reason"] = "stop"
+                return
+        if n + 1 == max_new:
+            break
+        logits = run([SeqWork(tokens=[tok], start=pos, slot=SLOT, pages=pages(pos + 1))], [], 1, 0, 0)
+        pos += 1
+    stats["finish_reason"] = "length"

@@ -1,0 +1,42 @@
+"""Small shared pieces: RMSNorm, activations, projections."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+
+def dtype_of(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm in f32; returns x's dtype. `w=None` normalises without a weight."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if w is not None:
+        y = y * w.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gated activation of the FFNs: SwiGLU (`silu`) or SiTU (`situ`), computed in f32."""
+    gf, uf = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if cfg.hidden_act == "silu":
+        out = jax.nn.silu(gf) * uf
+    else:
+        b, bl = cfg.situ_beta, cfg.situ_linear_beta
+        out = b * jnp.tanh(gf / b) * jax.nn.sigmoid(gf) * (bl * jnp.tanh(uf / bl))
+    return out.astype(gate.dtype)
+
+
+def proj(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., D] @ w [D, X] in the weight's dtype with f32 accumulation."""
+    return jnp.einsum("...d,dx->...x", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(w.dtype)
+
+
+def layer_slice(tree, i: int):
+    """The parameters of one layer out of a stacked (leading layer dim) pytree."""
+    return jax.tree_util.tree_map(lambda a: a[i], tree)

@@ -1,0 +1,99 @@
+"""The whole model over one packed ragged step: embedding -> layers (KDA / MLA attention, dense /
+MoE FFN, plain or Block-AttnRes residuals) -> final norm -> LM head for the requested rows.
+
+`forward(params, state, batch, cfg, impl)` is a pure function; `step` is its jitted form with the
+state donated and `cfg` / `impl` static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.model.attn_res import AttnResParams, mix
+from k3jax.model.common import layer_slice, rms_norm
+from k3jax.model.context import StepBatch, make_context
+from k3jax.model.kda import KDAParams, kda_layer
+from k3jax.model.mla import MLAParams, mla_layer
+from k3jax.model.moe import DenseParams, MoEParams, dense_ffn, moe_ffn
+from k3jax.state import DeviceState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+    embed: jax.Array  # [X, D]
+    lm_head: jax.Array  # [D, X]
+    final_norm: jax.Array  # [D]
+    input_norm: jax.Array  # [L, D] pre-attention RMSNorm of every layer
+    post_norm: jax.Array  # [L, D] pre-FFN RMSNorm of every layer
+    kda: KDAParams | None  # stacked over KDA layers
+    mla: MLAParams | None  # stacked over MLA layers
+    dense: DenseParams | None  # stacked over dense-FFN layers
+    moe: MoEParams | None  # stacked over MoE layers
+    attn_res: AttnResParams | None  # Block AttnRes query sites (None: plain residual)
+
+
+def _attention(params: Params, h, ctx, state: DeviceState, i: int, cfg: ModelConfig, impl: str):
+    j = cfg.kind_index[i]
+    if cfg.layer_kinds[i] == "kda":
+        with jax.named_scope(f"layer{i}_kda"):
+            y, rec = kda_layer(layer_slice(params.kda, j), h, ctx, state.recurrent, j, cfg, impl)
+        return y, DeviceState(recurrent=rec, kv=state.kv)
+    with jax.named_scope(f"layer{i}_mla"):
+        y, kv = mla_layer(layer_slice(params.mla, j), h, ctx, state.kv, j, cfg, impl)
+    return y, DeviceState(recurrent=state.recurrent, kv=kv)
+
+
+def _ffn(params: Params, h, i: int, cfg: ModelConfig):
+    j = cfg.ffn_index[i]
+    if cfg.ffn_kinds[i] == "moe":
+        with jax.named_scope(f"layer{i}_moe"):
+            return moe_ffn(layer_slice(params.moe, j), h, cfg)
+    with jax.named_scope(f"layer{i}_dense"):
+        return dense_ffn(layer_slice(params.dense, j), h, cfg)
+
+
+def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla"):
+    """-> (final normed hidden of the `logit_idx` rows [R, D], state)."""
+    ctx = make_context(batch, cfg.kda_conv_size)
+    eps = cfg.rms_norm_eps
+    x = params.embed[batch.tokens]
+    B = cfg.attn_res_block_size
+    ar = params.attn_res
+    if not B:
+        for i in range(cfg.num_layers):
+            a, state = _attention(params, rms_norm(x, params.input_norm[i], eps), ctx, state, i, cfg, impl)
+            x = x + a
+            x = x + _ffn(params, rms_norm(x, params.post_norm[i], eps), i, cfg)
+        out = x[batch.logit_idx]
+    else:
+        bank: list[jax.Array] = []
+        p = x
+        for i in range(cfg.num_layers):
+            h = mix(bank, p, layer_slice(ar.attn, i), eps)
+            if i % B == 0:
+                bank.append(p)
+                p = None
+            a, state = _attention(params, rms_norm(h, params.input_norm[i], eps), ctx, state, i, cfg, impl)
+            p = a if p is None else p + a
+            h = mix(bank, p, layer_slice(ar.mlp, i), eps)
+            p = p + _ffn(params, rms_norm(h, params.post_norm[i], eps), i, cfg)
+        rows = batch.logit_idx
+        out = mix([b[rows] for b in bank], p[rows], ar.out, eps)
+    return rms_norm(out, params.final_norm, eps), state
+
+
+def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla"):
+    """-> (f32 logits [R, X] of the `logit_idx` rows, new state)."""
+    h, state = forward_hidden(params, state, batch, cfg, impl)
+    with jax.named_scope("lm_head"):
+        logits = jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
+                            preferred_element_type=jnp.float32)
+    return logits, state
+
+
+step = jax.jit(forward, static_argnames=("cfg", "impl"), donate_argnames=("state",))

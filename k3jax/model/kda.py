@@ -1,0 +1,110 @@
+"""KDA layer: projections -> causal depthwise conv (width W, SiLU, carried state) -> L2 norm ->
+gated delta rule core -> per-head RMSNorm x sigmoid(output gate) -> o_proj.
+
+Runs over the ragged packed tokens of one step (`StepContext`): the decode segment (one token per
+sequence) goes through `kda_decode`, the prefill segment through varlen `kda_chunk`; both read the
+recurrent pool by slot and write it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.model.common import proj, rms_norm
+from k3jax.model.context import StepContext
+from k3jax.state import RecurrentPool
+from pallas_kernels import kda as kda_kernels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDAParams:  # stacked over KDA layers (leading dim L)
+    q_proj: jax.Array  # [L, D, H*K]
+    k_proj: jax.Array  # [L, D, H*K]
+    v_proj: jax.Array  # [L, D, H*V]
+    conv: jax.Array  # f32[L, W, 3*H*K] depthwise taps over q|k|v channels, oldest tap first
+    f_a: jax.Array  # [L, D, K] forget gate, low rank
+    f_b: jax.Array  # [L, K, H*K]
+    dt_bias: jax.Array  # f32[L, H*K]
+    a_log: jax.Array  # f32[L, H]
+    b_proj: jax.Array  # [L, D, H] beta logits
+    o_norm: jax.Array  # [L, V]
+    o_proj: jax.Array  # [L, H*V, D]
+    g_proj: jax.Array | None = None  # [L, D, H*V] full-rank output gate (K3)
+    g_a: jax.Array | None = None  # [L, D, K] low-rank output gate (Kimi-Linear)
+    g_b: jax.Array | None = None  # [L, K, H*V]
+
+
+def kda_gate(f: jax.Array, p: KDAParams, cfg: ModelConfig) -> jax.Array:
+    """Log decay g [T, H, K] (f32, <= 0) from the forget-gate logits f [T, H*K]."""
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    x = (f.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)).reshape(-1, H, K)
+    a = jnp.exp(p.a_log.astype(jnp.float32))[:, None]  # [H, 1]
+    if cfg.kda_gate == "safe":
+        return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jax.nn.softplus(x)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def short_conv(x: jax.Array, w: jax.Array, init: jax.Array, ctx: StepContext):
+    """Causal depthwise conv over each sequence's new tokens, continuing from its carried inputs.
+
+    x [T, C] pre-conv inputs; w f32[W, C]; init [N, W-1, C] carried inputs (already zeroed for
+    fresh sequences). Returns (SiLU(conv) [T, C] in x's dtype, new carried inputs [N, W-1, C]).
+    """
+    src = jnp.concatenate([x, init.reshape(-1, x.shape[-1]).astype(x.dtype)], axis=0)
+    win = src[ctx.conv_idx].astype(jnp.float32)  # [T, W, C]
+    y = jax.nn.silu(jnp.einsum("twc,wc->tc", win, w.astype(jnp.float32)))
+    return y.astype(x.dtype), src[ctx.conv_state_idx]
+
+
+def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool, layer: int, cfg: ModelConfig,
+              impl: str = "xla"):
+    """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice."""
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    T = x.shape[0]
+    with jax.named_scope("kda_proj"):
+        qkv = jnp.concatenate([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=-1)
+        fresh = ctx.seq_fresh
+        conv_init = jnp.where(fresh[:, None, None], 0, pool.conv[ctx.seq_slot, layer])
+        qkv, conv_new = short_conv(qkv, p.conv, conv_init, ctx)
+        conv = pool.conv.at[ctx.seq_slot, layer].set(conv_new.astype(pool.conv.dtype))
+        q, k, v = jnp.split(qkv.reshape(T, 3, H, K), 3, axis=1)
+        q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]), v[:, 0]
+        g = kda_gate(proj(proj(x, p.f_a), p.f_b), p, cfg)  # [T, H, K]
+        beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]
+
+    nd = ctx.num_decode
+    ssm = pool.ssm
+    outs = []
+    with jax.named_scope("kda_core"):
+        if nd:
+            o_d, ssm = kda_kernels.kda_decode(
+                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, ctx.seq_slot[:nd],
+                layer=layer, reset=fresh[:nd], impl=impl,
+            )
+            outs.append(o_d)
+        if T > nd:
+            slots_p = ctx.seq_slot[nd:]
+            s0 = jnp.where(fresh[nd:, None, None, None], 0.0, ssm[slots_p, layer])
+            o_p, s_f = kda_kernels.kda_chunk(
+                q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:],
+                initial_state=s0, cu_seqlens=ctx.prefill_cu, impl=impl,
+            )
+            ssm = ssm.at[slots_p, layer].set(s_f)
+            outs.append(o_p[0])
+        o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [T, H, V] f32
+
+    with jax.named_scope("kda_out"):
+        gate = proj(x, p.g_proj) if p.g_proj is not None else proj(proj(x, p.g_a), p.g_b)
+        o = rms_norm(o, p.o_norm, cfg.rms_norm_eps) * jax.nn.sigmoid(gate.astype(jnp.float32).reshape(T, H, K))
+        y = proj(o.reshape(T, H * K).astype(x.dtype), p.o_proj)
+    return y, RecurrentPool(ssm=ssm, conv=conv)

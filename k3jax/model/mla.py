@@ -1,0 +1,92 @@
+"""MLA layer (NoPE): optional q-LoRA, kv latent `c` (RMSNorm) + shared `k_pe`, absorbed attention
+over the paged cache, optional sigmoid output gate, o_proj.
+
+Every step writes the new tokens' `[c ; k_pe]` into their pages first and then attends over the
+pages, so prefill, chunked prefill and decode run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.model.common import proj, rms_norm
+from k3jax.model.context import StepContext
+from k3jax.state import KVPool
+from pallas_kernels import mla as mla_kernels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLAParams:  # stacked over MLA layers (leading dim L)
+    kv_a: jax.Array  # [L, D, R + N_rope]
+    kv_a_norm: jax.Array  # [L, R]
+    kv_b: jax.Array  # [L, R, H*(N_nope + V)]
+    o_proj: jax.Array  # [L, H*V, D]
+    q_a: jax.Array | None = None  # [L, D, Q] q-LoRA
+    q_a_norm: jax.Array | None = None  # [L, Q]
+    q_b: jax.Array | None = None  # [L, Q, H*(N_nope + N_rope)]
+    q_proj: jax.Array | None = None  # [L, D, H*(N_nope + N_rope)] without q-LoRA
+    g_proj: jax.Array | None = None  # [L, D, H*V] sigmoid output gate
+
+
+def write_kv(pool: KVPool, kv: jax.Array, ctx: StepContext, layer: int) -> KVPool:
+    """Scatter kv [T, Dk] into each valid token's page slot; padded tokens go to the sink page."""
+    ps = pool.page_size
+    pos = jnp.maximum(ctx.positions, 0)
+    page = jnp.take_along_axis(ctx.page_table[ctx.token_seq], (pos // ps)[:, None], axis=1, mode="clip")[:, 0]
+    page = jnp.where(ctx.token_valid, page, 0)
+    return KVPool(pages=pool.pages.at[page, layer, pos % ps].set(kv.astype(pool.pages.dtype)))
+
+
+def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer: int, cfg: ModelConfig,
+              impl: str = "xla"):
+    """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice."""
+    T = x.shape[0]
+    H, Nn, Nr, Vd, R = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    with jax.named_scope("mla_proj"):
+        if p.q_a is not None:
+            q = proj(rms_norm(proj(x, p.q_a), p.q_a_norm, cfg.mla_norm_eps), p.q_b)
+        else:
+            q = proj(x, p.q_proj)
+        q = q.reshape(T, H, Nn + Nr)
+        ckv = proj(x, p.kv_a)
+        c = rms_norm(ckv[:, :R], p.kv_a_norm, cfg.mla_norm_eps)
+        pool = write_kv(pool, jnp.concatenate([c, ckv[:, R:]], axis=-1), ctx, layer)
+        kv_b = p.kv_b.reshape(R, H, Nn + Vd)
+        w_uk, w_uv = kv_b[..., :Nn], kv_b[..., Nn:]
+        q_lat = jnp.einsum("thn,rhn->thr", q[..., :Nn].astype(jnp.float32), w_uk.astype(jnp.float32))
+        qf = jnp.concatenate([q_lat, q[..., Nn:].astype(jnp.float32)], axis=-1)  # [T, H, R + N_rope]
+
+    scale = (Nn + Nr) ** -0.5
+    nd = ctx.num_decode
+    outs = []
+    with jax.named_scope("mla_attn"):
+        if nd:
+            o = mla_kernels.mla_paged_attention(
+                qf[:nd, None], ctx.positions[:nd, None], ctx.page_table[:nd], pool.pages, ctx.seq_end[:nd],
+                layer=layer, scale=scale, v_dim=R, impl=impl,
+            )
+            outs.append(o[:, 0])
+        if T > nd:
+            tab = ctx.prefill_chunks
+            Tp = T - nd
+            idx = jnp.clip(tab.token_idx, 0, Tp - 1) + nd  # [NC, C]
+            seq = tab.chunk_seq + nd
+            o = mla_kernels.mla_paged_attention(
+                qf[idx], ctx.positions[idx], ctx.page_table[seq], pool.pages, ctx.seq_end[seq],
+                layer=layer, scale=scale, v_dim=R, impl=impl,
+            )
+            dest = jnp.where(tab.token_valid, tab.token_idx, Tp).reshape(-1)
+            outs.append(jnp.zeros((Tp, H, R), jnp.float32).at[dest].set(o.reshape(-1, H, R), mode="drop"))
+        o_lat = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+    with jax.named_scope("mla_out"):
+        o = jnp.einsum("thr,rhv->thv", o_lat, w_uv.astype(jnp.float32)).reshape(T, H * Vd)
+        if p.g_proj is not None:
+            o = o * jax.nn.sigmoid(proj(x, p.g_proj).astype(jnp.float32))
+        y = proj(o.astype(x.dtype), p.o_proj)
+    return y, pool

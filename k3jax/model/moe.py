@@ -1,0 +1,95 @@
+"""FFNs: dense GLU FFN and the (Latent)MoE.
+
+MoE: sigmoid router in f32 on the full hidden, `e_score_correction_bias` for selection only,
+optional group limit, top-k, renormalise (k > 1), `routed_scaling_factor`. LatentMoE runs the
+routed experts in a latent space: `z = x @ down`, `y = sum_j w_j E_j(z)` (f32 accumulate),
+RMSNorm on y, `y @ up`; shared experts read the original x at full width. Routed experts are a
+grouped matmul (`jax.lax.ragged_dot` over expert-sorted token copies), never dense over all experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.model.common import glu, proj, rms_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseParams:  # stacked over dense-FFN layers (leading dim L)
+    gate: jax.Array  # [L, D, I]
+    up: jax.Array  # [L, D, I]
+    down: jax.Array  # [L, I, D]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MoEParams:  # stacked over MoE layers (leading dim L); Din = latent width or D
+    router: jax.Array  # f32[L, D, E]
+    router_bias: jax.Array  # f32[L, E] selection-only bias (noaux_tc)
+    w1: jax.Array  # [L, E, Din, I] gate
+    w3: jax.Array  # [L, E, Din, I] up
+    w2: jax.Array  # [L, E, I, Din] down
+    latent_down: jax.Array | None = None  # [L, D, Din]
+    latent_norm: jax.Array | None = None  # [L, Din]
+    latent_up: jax.Array | None = None  # [L, Din, D]
+    shared: DenseParams | None = None  # [L, D, I_shared] ...
+
+
+def dense_ffn(p: DenseParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return proj(glu(proj(x, p.gate), proj(x, p.up), cfg), p.down)
+
+
+def route(p: MoEParams, x: jax.Array, cfg: ModelConfig):
+    """-> (expert ids i32[T, k], weights f32[T, k])."""
+    scores = jax.nn.sigmoid(proj(x.astype(jnp.float32), p.router.astype(jnp.float32)))  # [T, E]
+    choice = scores + p.router_bias.astype(jnp.float32)
+    E, G, k = cfg.num_experts, cfg.num_expert_group, cfg.num_experts_per_token
+    if G > 1 and cfg.topk_group < G:
+        grouped = choice.reshape(-1, G, E // G)
+        gscore = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+        keep = jax.lax.top_k(gscore, cfg.topk_group)[1]
+        gmask = jnp.zeros_like(gscore, dtype=bool).at[jnp.arange(gscore.shape[0])[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(gmask, E // G, axis=1), choice, -jnp.inf)
+    idx = jax.lax.top_k(choice, k)[1]
+    w = jnp.take_along_axis(scores, idx, axis=1)
+    if cfg.moe_renormalize and k > 1:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return idx, w * cfg.routed_scaling_factor
+
+
+def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Grouped matmul over expert-sorted copies of z [T, Din]. Returns f32 [T, Din]."""
+    T, k = idx.shape
+    E = cfg.num_experts
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = z[tok].astype(p.w1.dtype)
+    rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
+    h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
+    y = jax.lax.ragged_dot(h, p.w2, sizes, preferred_element_type=jnp.float32)
+    y = y * w.reshape(-1)[order][:, None]
+    return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y)
+
+
+def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    with jax.named_scope("moe_route"):
+        idx, w = route(p, x, cfg)
+    with jax.named_scope("moe_experts"):
+        z = proj(x, p.latent_down) if p.latent_down is not None else x
+        y = routed_experts(p, z, idx, w, cfg)
+        if p.latent_up is not None:
+            if p.latent_norm is not None:
+                y = rms_norm(y, p.latent_norm, cfg.rms_norm_eps)
+            y = proj(y.astype(x.dtype), p.latent_up)
+        y = y.astype(x.dtype)
+    if p.shared is not None:
+        with jax.named_scope("moe_shared"):
+            y = y + dense_ffn(p.shared, x, cfg)
+    return y

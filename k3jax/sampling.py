@@ -1,0 +1,134 @@
+"""Sampling: per-request `SamplingParams` and one jitted batched sampler.
+
+`sample(logits, temperature, top_k, top_p, keys)` draws one token per row with fixed shapes, so it
+compiles once per row count R. Rows with temperature 0 take the argmax of the raw logits (exact
+greedy); other rows sample softmax(logits / T) restricted to the top-k tokens (k = 0: off) and to
+the top-p nucleus (the smallest set of most likely tokens whose probability reaches top_p; the top
+token is always kept).
+
+Randomness is per request and reproducible: the key of a request's n-th generated token is
+`request_key(seed, n)`, a pure function of (seed, n), so a seeded request gets the same tokens
+whatever else shares its batch. A request without a seed draws one once (`resolve_seed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import secrets
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+_MIN_TEMPERATURE = 1e-6  # below this, logits / T could overflow; such rows are greedy in effect
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1: off
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    seed: int | None = None  # None: a random seed per request
+    stop: str | list[str] | None = None  # stop after the token that completes any of these strings
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the offending field; return self when every field is valid."""
+
+        def is_int(v):
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_real(v):
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):  # NaN fails the comparison
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= _MASK64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+        if any(s == "" for s in self.stop_strings):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The request's seed: `seed` itself, or a fresh random 63-bit seed (draw it once per request)."""
+    return int(seed) if seed is not None else secrets.randbits(63)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a bijective 64-bit mix."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_key(seed: int, position: int) -> np.ndarray:
+    """Raw threefry key data u32[2] for a request's `position`-th generated token (host-side, no jax)."""
+    h = _mix64((_mix64(int(seed) & _MASK64) + (int(position) + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+    return np.array([h >> 32, h & 0xFFFFFFFF], dtype=np.uint32)
+
+
+def request_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """u32[R, 2]: `request_key` for each row."""
+    return np.stack([request_key(s, p) for s, p in zip(seeds, positions)]).reshape(-1, 2)
+
+
+@jax.jit
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits f32[R, X], temperature f32[R], top_k i32[R], top_p f32[R], keys (u32[R, 2] raw
+    threefry key data or typed keys [R]) -> token ids i32[R]."""
+    logits = logits.astype(jnp.float32)
+    R, X = logits.shape
+    temperature = temperature.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
+
+    def draw():
+        t = jnp.maximum(temperature, _MIN_TEMPERATURE)[:, None]
+        scaled = logits / t
+        order = jnp.argsort(-scaled, axis=-1, stable=True)  # most likely first; ties by token id
+        srt = jnp.take_along_axis(scaled, order, axis=-1)
+        rank = jnp.arange(X, dtype=jnp.int32)[None, :]
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, X), X).astype(jnp.int32)
+        keep = rank < k[:, None]
+        probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        p = top_p.astype(jnp.float32)[:, None]
+        keep &= (mass_before < p) | (p >= 1.0)
+        keep |= rank == 0
+        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, srt, -jnp.inf))
+        tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return jnp.where(temperature > 0, tok, greedy)
+
+    return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, draw)
+
+
+def sample_batch(logits, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """Host helper: sample one token per row of `logits` for requests with these params/seeds."""
+    temperature = np.array([p.temperature for p in params], np.float32)
+    top_k = np.array([p.top_k for p in params], np.int32)
+    top_p = np.array([p.top_p for p in params], np.float32)
+    return np.asarray(sample(logits, temperature, top_k, top_p, request_keys(seeds, positions)))

@@ -1,0 +1,205 @@
+"""Kimi Delta Attention (KDA) core: jnp references and the dispatching entry points.
+
+Conventions (flash-linear-attention's naive reference): q, k `[B, T, H, K]` already
+L2-normalised, v `[B, T, HV, V]`, g `[B, T, HV, K]` natural-log decay (<= 0), beta `[B, T, HV]`,
+state `[B, HV, K, V]` f32; HV is a multiple of H (value head `h` reads q/k head `h // (HV // H)`).
+Per value head and token, with `scale` applied to q (default K**-0.5):
+
+    S <- diag(exp g_t) S
+    S <- S + beta_t k_t (v_t - S^T k_t)^T
+    o_t = S^T (scale q_t)                      (read after the write)
+
+All math is f32; outputs are f32.
+
+Entry points (`impl="xla"` is the jnp path; the Pallas kernels plug into the same calls):
+- `kda_chunk(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, impl)` -> (o, final_state):
+  chunked prefill, dense `[B, T]` or varlen packed (`B == 1` with `cu_seqlens [N+1]`).
+- `kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset, scale, impl)` -> (o, pool): one
+  token for each of N sequences, reading and writing the recurrent pool by slot id.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
+from pallas_kernels.varlen import chunk_table
+
+IMPLS = ("xla",)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _expand_qk(x: jax.Array, hv: int) -> jax.Array:
+    """Repeat q/k heads (axis -2) to the value-head count: value head h reads head h // G."""
+    h = x.shape[-2]
+    if hv % h:
+        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({h})")
+    return x if hv == h else jnp.repeat(x, hv // h, axis=-2)
+
+
+def _prep(q, k, v, g, beta, scale):
+    """f32 inputs, q/k expanded to the value heads, scale folded into q (default K**-0.5)."""
+    K, HV = q.shape[-1], v.shape[-2]
+    scale = K**-0.5 if scale is None else scale
+    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    return _expand_qk(q, HV) * scale, _expand_qk(k, HV), v, g, beta
+
+
+def _state0(initial_state, shape):
+    return jnp.zeros(shape, jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+
+def _step(S, q, k, v, g, beta):
+    """One recurrence step. S [..., K, V]; q,k,g [..., K]; v [..., V]; beta [...]; q pre-scaled."""
+    S = S * jnp.exp(g)[..., :, None]
+    pred = jnp.einsum("...k,...kv->...v", k, S)
+    S = S + jnp.einsum("...k,...v->...kv", k, beta[..., None] * (v - pred))
+    o = jnp.einsum("...k,...kv->...v", q, S)
+    return o, S
+
+
+def kda_recurrent_ref(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Token-by-token recurrence: the spec. Returns (o [B,T,HV,V] f32, final_state [B,HV,K,V] f32)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    q, k, v, g, beta = _prep(q, k, v, g, beta, scale)
+    S0 = _state0(initial_state, (B, HV, K, V))
+
+    def body(S, xs):
+        o, S = _step(S, *xs)
+        return S, o
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    S, o = jax.lax.scan(body, S0, xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+# ---- chunked form ------------------------------------------------------------------------
+# Within a chunk of C tokens with cumulative log decay G_t (per key channel), relative to the
+# chunk's initial state S0:
+#   u = (I + A)^-1 (beta v) - (I + A)^-1 (beta exp(G) k) S0 =: u0 - w S0
+#   A_ti = beta_t sum_k k_t exp(G_t - G_i) k_i            (i < t)
+#   o_t = scale (q_t exp(G_t)) S0 + sum_{i<=t} scale q_t exp(G_t - G_i) k_i u_i
+#   S_C = exp(G_C) S0 + sum_i (k_i exp(G_C - G_i)) u_i^T
+# Pairwise decays are formed as exp(G_t - G_i) with i <= t, so nothing overflows.
+
+
+def _chunk_intra(q, k, v, g, beta):
+    """State-independent part of a chunk. Shapes [..., C, K] / [..., C, V] / [..., C] (q pre-scaled)."""
+    C = q.shape[-2]
+    G = jnp.cumsum(g, axis=-2)
+    causal = jnp.tril(jnp.ones((C, C), bool))
+    diff = G[..., :, None, :] - G[..., None, :, :]  # [..., t, i, K]
+    decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    A = jnp.einsum("...tk,...tik,...ik->...ti", k, decay, k)
+    A = beta[..., :, None] * jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0)
+    Aqk = jnp.einsum("...tk,...tik,...ik->...ti", q, decay, k)
+    L = A + jnp.eye(C, dtype=A.dtype)
+    rhs = jnp.concatenate([beta[..., None] * jnp.exp(G) * k, beta[..., None] * v], axis=-1)
+    sol = jax.scipy.linalg.solve_triangular(L, rhs, lower=True, unit_diagonal=True)
+    K = k.shape[-1]
+    w, u0 = sol[..., :K], sol[..., K:]
+    qg = q * jnp.exp(G)
+    kd = k * jnp.exp(G[..., -1:, :] - G)
+    gl = jnp.exp(G[..., -1, :])
+    return w, u0, Aqk, qg, kd, gl
+
+
+def _chunk_inter(S, w, u0, Aqk, qg, kd, gl):
+    """State-dependent part: S [..., K, V] -> (o [..., C, V], S_next)."""
+    u = u0 - jnp.einsum("...ck,...kv->...cv", w, S)
+    o = jnp.einsum("...ck,...kv->...cv", qg, S) + jnp.einsum("...ci,...iv->...cv", Aqk, u)
+    S = gl[..., :, None] * S + jnp.einsum("...ck,...cv->...kv", kd, u)
+    return o, S
+
+
+def kda_chunk_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=CHUNK):
+    """Chunked form over dense `[B, T]` batches, any T. Same contract as `kda_recurrent_ref`."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    q, k, v, g, beta = _prep(q, k, v, g, beta, scale)
+    C = chunk_size
+    pad = (-T) % C
+    if pad:  # zero k, g and beta leave the state untouched
+        pw = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(pw, (q, k, v, g, beta))
+    n = (T + pad) // C
+    # [B, T, HV, X] -> [n, B, HV, C, X]
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, n, C, HV, -1), (1, 3), (0, 2))
+    qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
+    bc = to_chunks(beta[..., None])[..., 0]
+    intra = _chunk_intra(qc, kc, vc, gc, bc)
+    S0 = _state0(initial_state, (B, HV, K, V))
+
+    def body(S, xs):
+        o, S = _chunk_inter(S, *xs)
+        return S, o
+
+    S, o = jax.lax.scan(body, S0, intra)  # o [n, B, HV, C, V]
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(B, n * C, HV, V)
+    return o[:, :T], S
+
+
+def _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
+    """Packed varlen chunked KDA over `[1, T]` with `cu_seqlens [N+1]` (a traced array)."""
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    q, k, v, g, beta = _prep(q[0], k[0], v[0], g[0], beta[0], scale)
+    tab = chunk_table(cu_seqlens, T, chunk_size)
+    idx, valid = tab.token_idx, tab.token_valid  # [NC, C]
+    gather = lambda x: jnp.where(
+        valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[jnp.clip(idx, 0, T - 1)], 0.0
+    )
+    # [NC, C, HV, X] -> [NC, HV, C, X]
+    qc, kc, vc, gc = (jnp.swapaxes(gather(x), 1, 2) for x in (q, k, v, g))
+    bc = jnp.swapaxes(gather(beta), 1, 2)
+    intra = _chunk_intra(qc, kc, vc, gc, bc)
+    S_init = _state0(initial_state, (N, HV, K, V))
+
+    def body(carry, xs):
+        S, final = carry
+        seq, first, last, parts = xs
+        S = jnp.where(first, S_init[seq], S)
+        o, S = _chunk_inter(S, *parts)
+        final = final.at[seq].set(jnp.where(last, S, final[seq]))
+        return (S, final), o
+
+    xs = (tab.chunk_seq, tab.chunk_first, tab.chunk_last, intra)
+    (_, final), o = jax.lax.scan(body, (S_init[0] * 0, S_init), xs)  # o [NC, HV, C, V]
+    o = jnp.swapaxes(o, 1, 2).reshape(-1, HV, V)
+    dest = jnp.where(valid, idx, T).reshape(-1)
+    out = jnp.zeros((T, HV, V), jnp.float32).at[dest].set(o, mode="drop")
+    return out[None], final
+
+
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, impl="xla", chunk_size=CHUNK):
+    """Chunked KDA prefill. Dense `[B, T]`, or varlen packed `[1, T]` with `cu_seqlens [N+1]`
+    (then `initial_state` / `final_state` are `[N, HV, K, V]`). Returns (o f32, final_state f32)."""
+    _check_impl(impl)
+    if cu_seqlens is None:
+        return kda_chunk_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+    if q.shape[0] != 1:
+        raise ValueError(f"varlen kda_chunk takes packed inputs with batch 1, got batch {q.shape[0]}")
+    return _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, jnp.asarray(cu_seqlens, jnp.int32), chunk_size)
+
+
+def kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None, impl="xla"):
+    """One decode token per sequence, in place on the recurrent pool.
+
+    q, k `[N, H, K]`; v `[N, HV, V]`; g `[N, HV, K]`; beta `[N, HV]`; pool `[slots, L, HV, K, V]`
+    f32; slots `[N]` int; `reset [N]` bool starts a sequence from the zero state. Returns
+    (o `[N, HV, V]` f32, pool).
+    """
+    _check_impl(impl)
+    q, k, v, g, beta = _prep(q, k, v, g, beta, scale)
+    S = pool[slots, layer]
+    if reset is not None:
+        S = jnp.where(reset[:, None, None, None], 0.0, S)
+    o, S = _step(S, q, k, v, g, beta)
+    return o, pool.at[slots, layer].set(S)

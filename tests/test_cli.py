@@ -1,0 +1,148 @@
+"""The `k3jax generate` command and the single-request decode loop behind it.
+
+One real subprocess runs the CLI while the in-process tests run; every in-process generation uses
+one shape set (prompt <= 64 tokens, 4 pages of 4 tokens), so the tiny model compiles once per step kind.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from k3jax.api import load_model
+from k3jax.cli import main
+from k3jax.engine.simple import generate_stream
+from k3jax.sampling import SamplingParams
+from k3jax.tokenizer import IncrementalDecoder
+
+PROMPT = "Hello"
+N_NEW = 8
+PAGE = 4  # 5 prompt + 8 new tokens span 4 pages: decode crosses page boundaries
+
+
+def _cli(*args):
+    # unoptimised XLA code compiles ~2x faster; the tokens are the same
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONIOENCODING="utf-8",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
+    return subprocess.Popen([sys.executable, "-m", "k3jax.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+
+
+@pytest.fixture(scope="module")
+def cli_run():
+    """The real CLI, started first so it compiles while the in-process tests run."""
+    proc = _cli("generate", "--model", "k3-tiny", "--prompt", PROMPT, "--max-new-tokens", str(N_NEW))
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model(cli_run):
+    return load_model("k3-tiny")
+
+
+def _gen(model, sampling, prompt=None, **kw):
+    ids = model.tokenizer.encode(PROMPT) if prompt is None else prompt
+    stats = {}
+    toks = list(generate_stream(model, ids, sampling, page_size=PAGE, stats=stats, **kw))
+    return toks, stats
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    return _gen(model, SamplingParams(max_new_tokens=N_NEW))
+
+
+def test_decode_loop_matches_full_forward(model, greedy):
+    """Reference: argmax of the last row of a plain forward over the growing sequence."""
+    toks, stats = greedy
+    seq = model.tokenizer.encode(PROMPT)
+    ref = []
+    for _ in range(N_NEW):
+        logits = model.logits(seq)[-1]
+        top2 = np.sort(logits)[-2:]
+        assert top2[1] - top2[0] > 1e-3  # a well-separated argmax (DESIGN.md section 4)
+        ref.append(int(logits.argmax()))
+        seq.append(ref[-1])
+    assert toks == ref
+    assert stats == dict(prompt_tokens=5, generated_tokens=N_NEW, warmup_s=0.0, finish_reason="length")
+
+
+def test_chunked_prefill_and_warmup_do_not_change_tokens(model, greedy):
+    toks, _ = _gen(model, SamplingParams(max_new_tokens=N_NEW), prefill_chunk=2, warmup=True)
+    assert toks == greedy[0]
+
+
+def test_stop_string_ends_after_completing_token(model, greedy):
+    toks = greedy[0]
+    dec = IncrementalDecoder(model.tokenizer)
+    texts = [dec.push(t) for t in toks]
+    k = next((i for i, s in enumerate(texts) if i > 0 and s), None)
+    if k is None:
+        pytest.skip("the random model's greedy output has no visible text")
+    stop = texts[k][-1]
+    first = next(i for i in range(N_NEW) if stop in "".join(texts[: i + 1]))
+    out, stats = _gen(model, SamplingParams(max_new_tokens=N_NEW, stop=["never seen", stop]))
+    assert out == toks[: first + 1] and stats["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_is_reproducible(model):
+    sp = SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_k=50, seed=7)
+    assert _gen(model, sp)[0] == _gen(model, sp)[0]
+
+
+def test_generate_stream_errors(model):
+    with pytest.raises(ValueError, match="empty"):
+        next(generate_stream(model, [], SamplingParams()))
+    with pytest.raises(ValueError, match="context"):
+        next(generate_stream(model, [1] * model.config.max_position_embeddings, SamplingParams()))
+    with pytest.raises(ValueError, match="temperature"):
+        next(generate_stream(model, [1], SamplingParams(temperature=-1)))
+
+
+def test_cli_generate_subprocess(cli_run, model, greedy):
+    out, err = cli_run.communicate(timeout=120)
+    err = err.decode()
+    assert cli_run.returncode == 0, err
+    assert "Traceback" not in err
+    # same greedy tokens as in-process (different page size: greedy tokens must not depend on it)
+    expected = model.tokenizer.decode(greedy[0])
+    assert out.decode("utf-8") == expected + "\n"
+    assert "generated 8" in err and "time to first token" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-preset", "--prompt", "hi"], "no-such-preset"),
+    (["--model", "./missing_dir", "--prompt", "hi"], "missing_dir"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+])
+def test_cli_user_errors(argv, message, capsys):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("k3jax generate: error:")
+
+
+def test_cli_error_subprocess_has_no_traceback():
+    proc = _cli("generate", "--prompt", "hi", "--temperature", "-1")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.decode().strip() == "k3jax generate: error: temperature must be a finite number >= 0, got -1.0"
+
+
+def test_cli_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo line wrapping
+    for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                 "--stop", "--page-size", "--prefill-chunk", "--add-bos", "--show-special", "--quiet"):
+        assert flag in text
+    assert "(default: k3-tiny)" in text and "(default: 16)" in text and "greedy" in text

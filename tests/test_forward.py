@@ -1,0 +1,165 @@
+"""The jitted step: equals an independent f64 reference; one call == chunks == token-by-token;
+a ragged mixed batch gives every request what it gets alone; no compiles after warm-up."""
+
+import jax
+import numpy as np
+import pytest
+
+from k3jax.api import Model
+from k3jax.compiles import count_compiles
+from k3jax.config import preset
+from k3jax.engine.runner import Buckets, SeqWork, pack_step
+from k3jax.model.forward import step
+from k3jax.model.init import init_params
+from k3jax.state import init_state
+from tests.reference_model import reference_logits
+
+PS, PPS, SLOTS, PAGES = 16, 16, 8, 48  # one state/page-table shape for the whole module
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("k3-tiny")
+    return cfg, init_params(cfg, 0)
+
+
+def rel_err(a, b):
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def fresh_state(cfg):
+    return init_state(cfg, SLOTS, PAGES, PS)
+
+
+def run(params, cfg, state, decode=(), prefill=(), D=0, P=0, NP=0):
+    pk = pack_step(list(decode), list(prefill), D=D, P=P, NP=NP, pages_per_seq=PPS,
+                   R=None if not any(s.all_logits for s in prefill) else D + P)
+    logits, state = step(params, state, pk.batch, cfg)
+    logits = np.asarray(logits)
+    return [logits[r] for r in pk.rows], state
+
+
+def pages_for(first, n_tokens):
+    return list(range(first, first + -(-n_tokens // PS)))
+
+
+def test_k3_tiny_matches_numpy_reference(tiny):
+    cfg, params = tiny
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 70)
+    got = Model(cfg, params, None).logits(ids)
+    want = reference_logits(params, cfg, ids)
+    assert got.shape == (70, cfg.vocab_size) and got.dtype == np.float32
+    assert rel_err(got, want) < 1e-4
+
+
+def test_kimi_linear_style_matches_numpy_reference():
+    """Plain residual, softplus gate, low-rank output gate, no q-LoRA, SwiGLU MoE with scaling."""
+    cfg = preset("kimi-linear-48b").replace(
+        name="kl-tiny", vocab_size=300, hidden_size=64, num_layers=4, full_attn_layers=(2, 4), dtype="float32",
+        kda_num_heads=2, kda_head_dim=16, mla_num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, intermediate_size=96, num_experts=6, num_experts_per_token=2,
+        moe_intermediate_size=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    params = init_params(cfg, 3)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, 40)
+    assert rel_err(Model(cfg, params, None).logits(ids), reference_logits(params, cfg, ids)) < 1e-4
+
+
+def test_one_call_equals_chunks_equals_token_by_token(tiny):
+    cfg, params = tiny
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 120).tolist()
+    pages = pages_for(1, 120)
+    slot = 3
+
+    def prefill_in(chunks):
+        state, outs, pos = fresh_state(cfg), [], 0
+        for c in chunks:
+            work = SeqWork(ids[pos:pos + c], pos, slot, pages[: -(-(pos + c) // PS)], all_logits=c > 1)
+            if c == 1:
+                (lg,), state = run(params, cfg, state, decode=[work], D=1)
+            else:
+                (lg,), state = run(params, cfg, state, prefill=[work], P=-(-c // 64) * 64, NP=1)
+            outs.append(lg.reshape(-1, cfg.vocab_size))
+            pos += c
+        return np.concatenate(outs), state
+
+    one, s1 = prefill_in([120])
+    chunked, s2 = prefill_in([64, 56])
+    stepwise, s3 = prefill_in([64] + [1] * 56)
+    scale = np.abs(one).max()
+    for other, st in ((chunked, s2), (stepwise, s3)):
+        assert np.abs(other - one).max() < 2e-5 * scale
+        for a, b in zip(jax.tree_util.tree_leaves(s1.recurrent), jax.tree_util.tree_leaves(st.recurrent)):
+            np.testing.assert_allclose(np.asarray(b)[slot], np.asarray(a)[slot], atol=5e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(st.kv.pages)[pages], np.asarray(s1.kv.pages)[pages], atol=5e-5, rtol=0)
+    # nothing outside the request's slot and pages (or the sinks) was written
+    untouched = [s for s in range(1, SLOTS) if s != slot]
+    assert not np.asarray(s3.recurrent.ssm)[untouched].any()
+    assert not np.asarray(s3.kv.pages)[pages[-1] + 1:].any()
+
+
+def test_ragged_mixed_batch_equals_each_alone(tiny):
+    """Two decodes and two prefills (one fresh, one continuing a cached context) in one step."""
+    cfg, params = tiny
+    rng = np.random.default_rng(7)
+    ctx = {s: rng.integers(0, cfg.vocab_size, n).tolist() for s, n in ((1, 40), (2, 64), (3, 23))}
+    first_page = {1: 1, 2: 5, 3: 12, 4: 16}  # disjoint page ranges
+
+    def setup():
+        state = fresh_state(cfg)
+        for s, toks in ctx.items():
+            work = SeqWork(toks, 0, s, pages_for(first_page[s], len(toks) + 1))
+            _, state = run(params, cfg, state, prefill=[work], D=2, P=64, NP=2)
+        return state
+
+    new = {1: [5], 3: [9], 2: rng.integers(0, cfg.vocab_size, 20).tolist(), 4: rng.integers(0, cfg.vocab_size, 30).tolist()}
+
+    def work(s):
+        start = len(ctx.get(s, []))
+        return SeqWork(new[s], start, s, pages_for(first_page[s], start + len(new[s])))
+
+    together, st_all = run(params, cfg, setup(), decode=[work(1), work(3)], prefill=[work(2), work(4)], D=2, P=64, NP=2)
+    order = [1, 3, 2, 4]
+    for i, s in enumerate(order):
+        dec = [work(s)] if s in (1, 3) else []
+        pre = [] if dec else [work(s)]
+        (alone,), st = run(params, cfg, setup(), decode=dec, prefill=pre, D=2, P=64, NP=2)
+        np.testing.assert_allclose(together[i], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+        np.testing.assert_allclose(np.asarray(st_all.recurrent.ssm)[s], np.asarray(st.recurrent.ssm)[s], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(st_all.recurrent.conv)[s], np.asarray(st.recurrent.conv)[s], atol=1e-5)
+        pg = pages_for(first_page[s], len(ctx.get(s, [])) + len(new[s]))
+        np.testing.assert_allclose(np.asarray(st_all.kv.pages)[pg], np.asarray(st.kv.pages)[pg], atol=1e-5)
+
+
+def test_no_recompilation_after_warmup(tiny):
+    cfg, params = tiny
+    buckets = Buckets(decode=(2,), tokens=(64,), max_prefill_seqs=2, pages_per_seq=PPS)
+    state = fresh_state(cfg)
+    for D, P in buckets.shapes():  # warm-up: every bucket once
+        _, state = run(params, cfg, state, D=D, P=P, NP=2 if P else 0)
+    rng = np.random.default_rng(0)
+    with count_compiles() as compiles:
+        lens = {}
+        for it in range(12):
+            n_dec = int(rng.integers(0, 3)) if lens else 0
+            dec_slots = list(lens)[:n_dec]
+            dec = [SeqWork([int(rng.integers(0, 500))], lens[s], s, pages_for(1 + 8 * (s - 1), lens[s] + 1))
+                   for s in dec_slots]
+            pre, budget = [], 64
+            for s in range(1, SLOTS):
+                if s in dec_slots or len(pre) == 2 or lens.get(s, 0) > 90:
+                    continue
+                n = int(rng.integers(1, 40))
+                if n > budget:
+                    break
+                budget -= n
+                pre.append(SeqWork(rng.integers(0, 500, n).tolist(), lens.get(s, 0), s,
+                                   pages_for(1 + 8 * (s - 1), lens.get(s, 0) + n)))
+            if not dec and not pre:
+                continue
+            D = buckets.pick(buckets.decode, len(dec), "decode") if dec else 0
+            P = 64 if pre else 0
+            out, state = run(params, cfg, state, decode=dec, prefill=pre, D=D, P=P, NP=2 if P else 0)
+            assert all(np.isfinite(o).all() for o in out)
+            for w in dec + pre:
+                lens[w.slot] = w.start + len(w.tokens)
+        assert compiles() == 0

@@ -1,0 +1,128 @@
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from k3jax.sampling import SamplingParams, request_key, request_keys, resolve_seed, sample
+
+R, X = 8, 64  # one compiled shape for most tests
+
+
+def _run(logits, temperature, top_k=0, top_p=1.0, keys=None, seed=0, position=0):
+    n = logits.shape[0]
+    full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
+    if keys is None:
+        keys = request_keys([seed + i for i in range(n)], [position] * n)
+    return np.asarray(sample(np.asarray(logits, np.float32), full(temperature, np.float32), full(top_k, np.int32),
+                             full(top_p, np.float32), keys))
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return np.random.default_rng(0).normal(size=(R, X)).astype(np.float32) * 3
+
+
+def test_greedy_is_argmax(logits):
+    out = _run(logits, 0.0)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 100.0])
+def test_top_k_1_is_argmax(logits, temperature):
+    np.testing.assert_array_equal(_run(logits, temperature, top_k=1, seed=7), logits.argmax(-1))
+
+
+def test_mixed_rows_greedy_rows_stay_exact(logits):
+    temperature = np.array([0.0, 1.0] * (R // 2), np.float32)
+    out = np.asarray(sample(logits, temperature, np.zeros(R, np.int32), np.ones(R, np.float32),
+                            request_keys(range(R), [0] * R)))
+    np.testing.assert_array_equal(out[::2], logits.argmax(-1)[::2])
+
+
+def test_seeded_reproducible_and_seeds_differ(logits):
+    flat = np.zeros((R, X), np.float32)  # uniform: draws depend only on the key
+    a = _run(flat, 1.0, seed=123, position=5)
+    b = _run(flat, 1.0, seed=123, position=5)
+    c = _run(flat, 1.0, seed=999, position=5)
+    d = _run(flat, 1.0, seed=123, position=6)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any() and (a != d).any()
+    np.testing.assert_array_equal(request_key(123, 5), request_key(123, 5))
+    assert (request_key(123, 5) != request_key(124, 5)).any()
+    typed = jax.vmap(lambda k: jax.random.wrap_key_data(k, impl="threefry2x32"))(request_keys([123 + i for i in range(R)], [5] * R))
+    np.testing.assert_array_equal(_run(flat, 1.0, keys=typed), a)  # typed keys == raw key data
+
+
+def test_resolve_seed():
+    assert resolve_seed(5) == 5
+    assert resolve_seed(None) != resolve_seed(None)
+
+
+def _many(logits_row, n, temperature=1.0, top_k=0, top_p=1.0):
+    """n draws from one distribution: n rows with distinct keys (one compile for shape [n, X])."""
+    rows = np.repeat(np.asarray(logits_row, np.float32)[None], n, axis=0)
+    return _run(rows, temperature, top_k, top_p, keys=request_keys([42] * n, range(n)))
+
+
+N_DRAWS = 4000
+
+
+def test_top_p_never_samples_outside_nucleus():
+    probs = np.full(X, 0.3 / (X - 3))
+    probs[[10, 20, 30]] = [0.4, 0.2, 0.1]  # nucleus for top_p=0.65: {10, 20, 30} (0.4+0.2 < 0.65 <= 0.7)
+    out = _many(np.log(probs), N_DRAWS, top_p=0.65)
+    assert set(np.unique(out)) == {10, 20, 30}
+    counts = np.bincount(out, minlength=X)[[10, 20, 30]] / N_DRAWS
+    np.testing.assert_allclose(counts, np.array([0.4, 0.2, 0.1]) / 0.7, atol=0.04)
+    assert set(np.unique(_many(np.log(probs), N_DRAWS, top_p=0.1))) == {10}  # top token always kept
+    out_k = _many(np.log(probs), N_DRAWS, top_k=2)
+    assert set(np.unique(out_k)) == {10, 20}
+
+
+def test_empirical_distribution_matches_softmax():
+    row = np.random.default_rng(1).normal(size=X).astype(np.float32) * 1.5
+    for temperature in (1.0, 2.0):
+        p = np.exp(row / temperature - (row / temperature).max())
+        p /= p.sum()
+        counts = np.bincount(_many(row, N_DRAWS, temperature=temperature), minlength=X)
+        expected = p * N_DRAWS
+        big = expected >= 5  # chi-square over cells with enough mass, the rest pooled
+        chi2 = (((counts[big] - expected[big]) ** 2) / expected[big]).sum()
+        rest_e, rest_c = expected[~big].sum(), counts[~big].sum()
+        if rest_e > 0:
+            chi2 += (rest_c - rest_e) ** 2 / rest_e
+        dof = int(big.sum()) + (rest_e > 0) - 1
+        # mean dof, sd sqrt(2 dof): 5 sigma is a generous but still meaningful bound
+        assert chi2 < dof + 5 * math.sqrt(2 * dof), (temperature, chi2, dof)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed="abc"), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop=[1, 2]), "stop"),
+    (dict(stop=""), "stop"),
+])
+def test_validate_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw).validate()
+
+
+def test_validate_accepts_defaults_and_checks_vocab():
+    p = SamplingParams()
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (16, 0.0, 1.0, 0, None, None)
+    assert p.validate(512) is p
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3, stop=["\n", "END"]).validate(512)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=1000).validate(vocab_size=512)
+    assert SamplingParams(stop="x").stop_strings == ("x",)
