@@ -13,7 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla",)
+from pallas_kernels.dispatch import resolve_impl
+
+IMPLS = ("xla",)  # implemented; "pallas", "pallas_interpret" and "auto" run "xla" for now
 
 
 def mla_paged_attention_ref(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim):
@@ -30,6 +32,7 @@ def mla_paged_attention_ref(q, q_pos, page_rows, pages, kv_len, *, layer, scale,
 
 
 def mla_paged_attention(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, impl="xla"):
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    # validates the name; MLA has no Pallas kernel yet, so every impl runs the XLA path (a model
+    # run with impl="pallas" uses the KDA kernels and this)
+    resolve_impl(impl, "mla_paged_attention")
     return mla_paged_attention_ref(q, q_pos, page_rows, pages, kv_len, layer=layer, scale=scale, v_dim=v_dim)

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) core: jnp references and the dispatching entry points.
+"""KDA references (the spec) in jnp: token recurrence, chunked form, varlen chunked, decode step.
 
 Conventions (flash-linear-attention's naive reference): q, k `[B, T, H, K]` already
 L2-normalised, v `[B, T, HV, V]`, g `[B, T, HV, K]` natural-log decay (<= 0), beta `[B, T, HV]`,
@@ -9,13 +9,8 @@ Per value head and token, with `scale` applied to q (default K**-0.5):
     S <- S + beta_t k_t (v_t - S^T k_t)^T
     o_t = S^T (scale q_t)                      (read after the write)
 
-All math is f32; outputs are f32.
-
-Entry points (`impl="xla"` is the jnp path; the Pallas kernels plug into the same calls):
-- `kda_chunk(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, impl)` -> (o, final_state):
-  chunked prefill, dense `[B, T]` or varlen packed (`B == 1` with `cu_seqlens [N+1]`).
-- `kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset, scale, impl)` -> (o, pool): one
-  token for each of N sequences, reading and writing the recurrent pool by slot id.
+All math is f32; outputs are f32. These functions are also the `impl="xla"` path of the entry
+points in `pallas_kernels.kda`.
 """
 
 from __future__ import annotations
@@ -25,13 +20,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 from pallas_kernels.varlen import chunk_table
-
-IMPLS = ("xla",)
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
 def _expand_qk(x: jax.Array, hv: int) -> jax.Array:
@@ -145,7 +133,7 @@ def kda_chunk_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_siz
     return o[:, :T], S
 
 
-def _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
+def kda_chunk_varlen_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
     """Packed varlen chunked KDA over `[1, T]` with `cu_seqlens [N+1]` (a traced array)."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
@@ -178,25 +166,8 @@ def _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_
     return out[None], final
 
 
-def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, impl="xla", chunk_size=CHUNK):
-    """Chunked KDA prefill. Dense `[B, T]`, or varlen packed `[1, T]` with `cu_seqlens [N+1]`
-    (then `initial_state` / `final_state` are `[N, HV, K, V]`). Returns (o f32, final_state f32)."""
-    _check_impl(impl)
-    if cu_seqlens is None:
-        return kda_chunk_ref(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
-    if q.shape[0] != 1:
-        raise ValueError(f"varlen kda_chunk takes packed inputs with batch 1, got batch {q.shape[0]}")
-    return _kda_chunk_varlen(q, k, v, g, beta, scale, initial_state, jnp.asarray(cu_seqlens, jnp.int32), chunk_size)
-
-
-def kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None, impl="xla"):
-    """One decode token per sequence, in place on the recurrent pool.
-
-    q, k `[N, H, K]`; v `[N, HV, V]`; g `[N, HV, K]`; beta `[N, HV]`; pool `[slots, L, HV, K, V]`
-    f32; slots `[N]` int; `reset [N]` bool starts a sequence from the zero state. Returns
-    (o `[N, HV, V]` f32, pool).
-    """
-    _check_impl(impl)
+def kda_decode_ref(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None):
+    """One recurrence step per sequence on the pool rows `pool[slots, layer]` (the XLA path)."""
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale)
     S = pool[slots, layer]
     if reset is not None:

@@ -1,0 +1,279 @@
+"""KDA kernels on the H200: ours (Mosaic GPU, `impl="pallas"`) vs flash-linear-attention, same run,
+same random inputs.
+
+    python3 bench/kda_kernels.py --out bench/results/kda_h200.json
+
+Needs torch + triton + fla-core (carry the fla-core 0.6.0 wheel, see bench/NOTES.md). Inputs
+are drawn once in torch (bf16 q/k/v/beta, f32 g and state, K = V = 128) and shared with JAX
+through DLPack. fla is timed with `triton.testing.do_bench` (median, L2 flushed before each
+call); ours by timing R calls unrolled inside one jit (the state pool threaded through, donated,
+in place) and taking the median over repeats, so both are device-time figures. Decode uses a
+pool of distinct slots per step so the state stream never sits in L2. Writes JSON rows
+{"op", "shape", "ours_ms", "fla_ms", "bandwidth_frac", ...} with commit, JAX version and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return os.environ.get("K3JAX_COMMIT", "unknown")
+
+
+def t2j(t):
+    return jax.dlpack.from_dlpack(t.contiguous())
+
+
+def jax_ms(run, reps=7):
+    """run() launches R steps and returns (result, R); median device ms per step."""
+    out, _ = run()
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out, R = run()
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / R)
+    return statistics.median(ts) * 1e3
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def prep_breakdown(jin, B, T, H, R):
+    """Times the pieces of the XLA intra-chunk prep on chunk-layout f32 inputs."""
+    from pallas_kernels.kda import prep as P
+
+    C = 64
+    n = B * T // C
+    ch = lambda x: jnp.swapaxes(x.reshape((n, C) + x.shape[2:]), 1, 2).astype(jnp.float32)  # [n, H, C, X]
+    q, k, v, g = (ch(x) for x in jin[:4])
+    beta = ch(jin[4][..., None])[..., 0]
+    out = {}
+    G = jax.jit(P.chunk_cumsum)(g)
+    pieces = {
+        "gather_to_chunks": (jax.jit(lambda *a: tuple(ch(x) for x in a)), jin[:4]),
+        "cumsum_matmul": (jax.jit(P.chunk_cumsum), (g,)),
+        "cumsum_jnp": (jax.jit(lambda g: jnp.cumsum(g, axis=-2)), (g,)),
+        "pair_scores": (jax.jit(lambda q, k, G: P._pair_scores(q, k, G, P.SUB)), (q, k, G)),
+    }
+    Akk, _ = pieces["pair_scores"][0](q, k, G)
+    A = beta[..., None] * Akk
+    rhs = jnp.concatenate([k, v], axis=-1)
+    pieces["solve_blocked"] = (jax.jit(P.unit_lower_solve), (A, rhs))
+    pieces["solve_triangular"] = (jax.jit(lambda A, r: jax.scipy.linalg.solve_triangular(
+        A + jnp.eye(C), r, lower=True, unit_diagonal=True)), (A, rhs))
+    pieces["chunk_prep"] = (jax.jit(P.chunk_prep), (q, k, v, g, beta))
+    for name, (f, a) in pieces.items():
+        try:
+            out[name] = jax_ms(lambda: ([f(*a) for _ in range(R)], R), reps=3)
+        except Exception as e:
+            out[name] = repr(e)[:200]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/kda_h200.json")
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 64, 256, 1024])
+    ap.add_argument("--heads", type=int, nargs="*", default=[12, 96])
+    ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
+                    help="BxTxH shapes")
+    ap.add_argument("--variant-batch", type=int, default=256,
+                    help="decode batch at which the variants (scatter api, vt=128) are timed too")
+    ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
+    ap.add_argument("--no-fla", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from pallas_kernels.kda import kda_chunk
+    from pallas_kernels.kda import mgpu
+
+    dev = "cuda"
+    res = {"commit": commit(), "jax": jax.__version__, "device": torch.cuda.get_device_name(0),
+           "torch": torch.__version__, "jax_devices": [str(d) for d in jax.devices()]}
+    fla = None
+    if not args.no_fla:
+        try:
+            import fla as fla_mod
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+            fla = (chunk_kda, fused_recurrent_kda)
+            res["fla"] = getattr(fla_mod, "__version__", "?")
+        except Exception as e:
+            res["fla_error"] = repr(e)[:300]
+
+    x = torch.randn(1024 * 1024 * 1024 // 2, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    copy_gbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
+    res["copy_GBps"] = copy_gbps
+    x = y = None
+    torch.cuda.empty_cache()
+
+    def inputs(B, T, H, K=128, V=128):
+        q = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
+        k = F.normalize(torch.randn(B, T, H, K, device=dev), dim=-1).to(torch.bfloat16)
+        v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+        g = F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16
+        beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16).sigmoid()
+        return q, k, v, g, beta
+
+    rows = []
+    res["results"] = rows
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def emit(row):  # rewrite the JSON after every row, so a cut-off run keeps what it measured
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+    # ---- decode ----
+    for H in args.heads:
+        for N in args.decode_batch:
+            variants = [(None, 64)] + ([("scatter", 64), (None, 128)] if N == args.variant_batch else [])
+            fla_ms = o_fla = ht_fla = h0 = None
+            try:
+                q, k, v, g, beta = inputs(N, 1, H)
+                if fla is not None:
+                    h0 = torch.randn(N, H, 128, 128, device=dev) * 0.01
+                    f = lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                    fla_ms = do_bench(f, warmup=10, rep=200, return_mode="median")
+                    o_fla, ht_fla = f()
+            except Exception as e:
+                print("fla decode failed", repr(e)[:300])
+            for api, vt in variants:
+                row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
+                       "variant": {"api": api or ("pallas_call" if mgpu._pallas_call_available() else "scatter"),
+                                   "vt": vt}}
+                try:
+                    state_bytes = 2 * N * H * 128 * 128 * 4
+                    # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
+                    per_slot = H * 128 * 128 * 4
+                    sets = max(4, -(-320 * 2**20 // (N * per_slot)))
+                    NS = N * sets
+                    jq, jk, jv, jg, jb = (t2j(t[:, 0]) for t in (q, k, v, g, beta))
+                    pool = jax.random.normal(jax.random.key(0), (NS, 1, H, 128, 128), jnp.float32) * 0.01
+                    if h0 is not None:  # the first slot set holds fla's h0: compare outputs
+                        pool = pool.at[:N, 0].set(t2j(h0))
+                    slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
+                    no_reset = jnp.zeros((N,), bool)
+                    R = 16
+                    dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api)
+                    o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
+                    if o_fla is not None:
+                        row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
+                        row["rel_err_state_vs_fla"] = rel(pool_after[:N, 0], t2j(ht_fla))
+                    del pool
+
+                    def steps(pool):
+                        for i in range(R):
+                            o, pool = dec(pool, i)
+                        return o, pool
+
+                    steps = jax.jit(steps, donate_argnums=0)
+                    box = {"pool": pool_after}
+                    ptr0 = box["pool"].unsafe_buffer_pointer()
+
+                    def run():
+                        o, box["pool"] = steps(box["pool"])
+                        return (o, box["pool"]), R
+
+                    ours = jax_ms(run)
+                    row["in_place"] = box["pool"].unsafe_buffer_pointer() == ptr0
+                    row.update(ours_ms=ours, fla_ms=fla_ms, bandwidth_frac=state_bytes / (ours * 1e-3) / 1e9 / copy_gbps,
+                               fla_bandwidth_frac=None if fla_ms is None else state_bytes / (fla_ms * 1e-3) / 1e9 / copy_gbps)
+                    box = pool_after = None
+                except Exception as e:
+                    row["error"] = repr(e)[:600]
+                    traceback.print_exc()
+                emit(row)
+            del q, k, v, g, beta, h0, o_fla, ht_fla
+            torch.cuda.empty_cache()
+
+    # ---- prefill ----
+    for spec in args.prefill:
+        B, T, H = map(int, spec.split("x"))
+        row = {"op": "prefill", "shape": {"batch": B, "T": T, "heads": H, "K": 128, "V": 128}}
+        try:
+            q, k, v, g, beta = inputs(B, T, H)
+            h0 = torch.randn(B, H, 128, 128, device=dev) * 0.01
+            fla_ms = None
+            if fla is not None:
+                f = lambda: fla[0](q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                fla_ms = do_bench(f, warmup=10, rep=100, return_mode="median")
+                o_fla, ht_fla = f()
+            jin = [t2j(t) for t in (q, k, v, g, beta, h0)]
+            fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], impl="pallas"))
+            o, ht = fn(*jin)
+            if fla is not None:
+                row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla.float()))
+                row["rel_err_state_vs_fla"] = rel(ht, t2j(ht_fla))
+                del o_fla, ht_fla
+            del o, ht
+            R = 3 if B * T * H >= 32768 * 96 else 5
+
+            def run():
+                out = [fn(*jin) for _ in range(R)]
+                return out, R
+
+            ours = jax_ms(run)
+            # split: the XLA intra-chunk prep vs the Mosaic GPU sequential kernel
+            cu = jnp.arange(B + 1, dtype=jnp.int32) * T
+            pk = lambda x: x.reshape((1, B * T) + x.shape[2:])
+            prep = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5))
+            ops = prep(*jin)
+            row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
+            inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
+            row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
+            ops = None
+            if spec == args.breakdown:
+                row["prep_breakdown_ms"] = prep_breakdown(jin, B, T, H, R)
+            row.update(ours_ms=ours, fla_ms=fla_ms, bandwidth_frac=None)
+        except Exception as e:
+            row["error"] = repr(e)[:600]
+            traceback.print_exc()
+        emit(row)
+        torch.cuda.empty_cache()
+
+    print("\nop       shape                         ours_ms   fla_ms   bw_frac  fla_bw   err_vs_fla")
+    for r in rows:
+        sh = "x".join(f"{v}" for v in r["shape"].values())
+        if "variant" in r:
+            sh += f" {r['variant']['api'][:7]}/{r['variant']['vt']}"
+        f = lambda x, fmt="{:8.4f}": "    -   " if x is None else fmt.format(x)
+        print(f"{r['op']:8} {sh:28} {f(r.get('ours_ms'))} {f(r.get('fla_ms'))} {f(r.get('bandwidth_frac'), '{:7.3f}')} "
+              f"{f(r.get('fla_bandwidth_frac'), '{:7.3f}')} {r.get('rel_err_o_vs_fla', r.get('error', ''))}")
+    print(f"copy {copy_gbps:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

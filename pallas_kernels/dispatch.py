@@ -1,0 +1,49 @@
+"""`impl=` resolution for the kernel families, in one place.
+
+`impl` is one of "xla" (the jnp path), "pallas" (the compiled Pallas kernels: Mosaic GPU on an
+H100/H200), "pallas_interpret" (the portable Pallas kernels in interpret mode, for CPU tests), or
+"auto": "pallas" for an op that has a compiled kernel for the default device, "xla" otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+IMPLS = ("xla", "pallas", "pallas_interpret")
+
+# Ops whose Mosaic GPU kernel "auto" picks on a Hopper GPU: only kernels that passed
+# tests/gpu on the H200 (bench/NOTES.md has the measurements).
+# - kda_chunk: correct on the H200 (JAX 0.11.2), rel. err. 4e-3 vs fla; faster than fla at 4k
+#   tokens, slower at >= 32k (its XLA intra-chunk prep dominates). Not timed against the XLA path
+#   yet; that path materialises a [C, C, K] decay cube per chunk and scans chunk by chunk, so it
+#   is expected to be slower still.
+# - kda_decode: its Mosaic GPU kernel did not lower on JAX 0.11.2 in the measured version (fixed
+#   since, unverified on the GPU): off until tests/gpu pass on the H200.
+GPU_KERNELS = {
+    "kda_decode": False,
+    "kda_chunk": True,
+    "mla_paged_attention": False,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_gpu() -> bool:
+    """True when the default backend is a CUDA GPU of compute capability 9.x (wgmma, TMA)."""
+    try:
+        if jax.default_backend() != "gpu":
+            return False
+        cc = getattr(jax.devices()[0], "compute_capability", "")
+        return str(cc).split(".")[0] == "9"
+    except Exception:  # no backend at all
+        return False
+
+
+def resolve_impl(impl: str, op: str) -> str:
+    """Concrete impl for `op` ("kda_decode", "kda_chunk", ...); raises on an unknown name."""
+    if impl == "auto":
+        return "pallas" if GPU_KERNELS.get(op, False) and hopper_gpu() else "xla"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS + ('auto',)}, got {impl!r}")
+    return impl

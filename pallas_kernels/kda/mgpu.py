@@ -1,0 +1,356 @@
+"""KDA kernels in Pallas Mosaic GPU (`plgpu`) for the H100/H200 (sm_90): `impl="pallas"` on GPU.
+
+Status (see bench/NOTES.md): `chunk` is checked and measured on the H200 (JAX 0.11.2);
+`decode` lowers on JAX 0.10 (CPU export) but has not yet run on the H200: in the measured
+version it failed to lower there (Warpgroup is the default lowering semantics on 0.11.2; the
+kernel now asks for Lane semantics explicitly).
+
+Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile). It
+TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
+vectors into shared memory, holds the tile in registers in the WGMMA layout, does the
+gated delta step in f32 (the two reductions over K are cross-warp reductions), and TMA-stores
+the tile. With `pl.pallas_call` (JAX <= 0.10) the pool is aliased input -> output, so the update
+is in place and untouched slots are never read or written (2 x 4 x K x V bytes per head). JAX
+0.11.2 has no `pl.pallas_call` lowering for Mosaic GPU, so there the kernel (`plgpu.kernel`)
+writes the new states to a fresh array that XLA scatters into the pool (twice the traffic)
+until the in-place form through a JAX Ref is done.
+
+Chunked prefill (`chunk`): the state-independent part of each chunk (w, u0, Aqk, q exp G,
+k exp(G_C - G), exp G_C) is computed by XLA in matmul form (`prep.chunk_prep`); the sequential
+part runs here, one CTA per (sequence, value head, V tile) walking its sequence's chunks with
+the state tile in registers (f32) and the chunk operands double-buffered in shared memory by
+TMA. Per chunk, on the tensor cores (bf16 operands, f32 accumulation, as fla does):
+
+    u = u0 - w S;   o = (q exp G) S + Aqk u;   S <- exp(G_C) * S + (k exp(G_C - G))^T u
+
+o is written straight into the packed `[T, HV, V]` output with a ladder of TMA stores of
+64/32/.../1 rows, so a chunk shorter than 64 tokens never touches the next sequence's rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.kda.prep import chunk_prep
+from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
+
+try:  # registers the pl.pallas_call lowering for Mosaic GPU where this JAX still has one
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration as _pcr  # noqa: F401
+except ImportError:  # pragma: no cover
+    _pcr = None
+
+WGMMA = plgpu.Layout.WGMMA
+ROW = plgpu.Layout.WGMMA.reduce(1)  # [M] vector along the rows of a WGMMA tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # [N] vector along the columns
+
+
+def _bc_rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, (0,))
+
+
+def _bc_cols(x, shape):
+    return lax.broadcast_in_dim(x, shape, (1,))
+
+
+def _f32_tiled():
+    return dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
+
+
+def _bf16_tiled(cols):
+    sw = min(128, cols * 2)
+    return dict(transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+# The decode kernel is written for Lane semantics (the default on JAX 0.10; JAX 0.11.2 defaults
+# to Warpgroup semantics, which rejects its scalar-predicate select: seen on the H200).
+_LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _pallas_call_available() -> bool:
+    try:
+        from jax._src.pallas import core as pallas_core
+
+        return pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu") is not None
+    except Exception:  # older JAX: pallas_call picks the Mosaic GPU backend itself
+        return _pcr is not None
+
+
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None):
+    """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
+    slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
+
+    api: "pallas_call" (`pl.pallas_call` with input_output_aliases: the pool is updated in place)
+    or "scatter" (`plgpu.kernel` writes the new states to a fresh [N, HV, K, V] array that XLA
+    scatters into the pool: twice the state traffic). Default: "pallas_call" where this JAX
+    lowers it, else "scatter"."""
+    N, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    S_, L = pool.shape[:2]
+    G = HV // H
+    vt = min(vt, V)
+    if K % 64 or V % vt or vt % 32:
+        raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    api = api or ("pallas_call" if _pallas_call_available() else "scatter")
+    q = q.astype(jnp.float32) * scale
+    k = k.astype(jnp.float32)
+    v = v.astype(jnp.float32)
+    g = g.astype(jnp.float32)
+    beta = beta.astype(jnp.float32)
+    pool3 = pool.reshape(S_ * L * HV, K, V)
+
+    def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref,
+             s_smem, vec_smem, v_smem, o_smem, bar):
+        hq = h // G
+        row = (slot_ref[n] * L + layer) * HV + h
+        tile = src_ref.at[row, :, pl.ds(v0, vt)]
+        dst = tile if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
+        plgpu.copy_gmem_to_smem(tile, s_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[n, hq], vec_smem.at[0], bar.at[0])
+        plgpu.copy_gmem_to_smem(k_ref.at[n, hq], vec_smem.at[1], bar.at[0])
+        plgpu.copy_gmem_to_smem(g_ref.at[n, h], vec_smem.at[2], bar.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem, bar.at[0])
+        bt = b_ref[n, h]
+        rs = reset_ref[n]
+        plgpu.barrier_wait(bar.at[0])
+        qv = plgpu.load(vec_smem.at[0], (), layout=ROW)
+        kv = plgpu.load(vec_smem.at[1], (), layout=ROW)
+        ev = jnp.exp(plgpu.load(vec_smem.at[2], (), layout=ROW))
+        vv = plgpu.load(v_smem, (), layout=COL)
+        S = plgpu.load(s_smem, (), layout=WGMMA)
+        S = jnp.where(rs != 0, 0.0, S)
+        shape = (K, vt)
+        S = S * _bc_rows(ev, shape)
+        kb = _bc_rows(kv, shape)
+        pred = jnp.sum(S * kb, axis=0)
+        u = bt * (vv - pred)
+        S = S + kb * _bc_cols(u, shape)
+        o = jnp.sum(S * _bc_rows(qv, shape), axis=0)
+        s_smem[...] = S
+        o_smem[...] = o
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_smem, dst)
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, vt)])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((K, vt), jnp.float32, **_f32_tiled()),
+        plgpu.SMEM((3, K), jnp.float32),
+        plgpu.SMEM((vt,), jnp.float32),
+        plgpu.SMEM((vt,), jnp.float32),
+        plgpu.Barrier(num_arrivals=5, num_barriers=1),
+    ]
+    o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
+    ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
+    if api == "scatter":
+        def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, new_ref, *scr):
+            n, h = lax.axis_index("seq"), lax.axis_index("head")
+            v0 = lax.axis_index("vtile") * vt
+            step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, pool_ref, new_ref, *scr)
+
+        o, new = plgpu.kernel(
+            body, out_type=[o_type, jax.ShapeDtypeStruct((N * HV, K, V), jnp.float32)],
+            grid=(N, HV, V // vt), grid_names=("seq", "head", "vtile"),
+            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu",
+        )(*ins, pool3)
+        return o, pool.at[slots, layer].set(new.reshape(N, HV, K, V))
+    if api != "pallas_call":
+        raise ValueError(f"unknown decode api {api!r}")
+
+    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, _pool_in, o_ref, pool_ref, *scr):
+        n, h = pl.program_id(0), pl.program_id(1)
+        step(n, h, pl.program_id(2) * vt, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref,
+             pool_ref, None, *scr)
+
+    gm = pl.BlockSpec(memory_space=plgpu.GMEM)
+    o, pool3 = pl.pallas_call(
+        kernel,
+        grid=(N, HV, V // vt),
+        in_specs=[gm] * 8,
+        out_specs=[gm, gm],
+        out_shape=[o_type, jax.ShapeDtypeStruct(pool3.shape, jnp.float32)],
+        input_output_aliases={7: 1},
+        scratch_shapes=scratch,
+        compiler_params=_LANE,
+        name="kda_decode_mgpu",
+    )(*ins, pool3)
+    return o, pool3.reshape(pool.shape)
+
+
+# ---- chunked prefill -----------------------------------------------------------------------
+
+_LADDER = (64, 32, 16, 8, 4, 2, 1)
+
+
+def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
+    """Sequential part. Chunk-layout operands (NC chunks): w, qg [NC, HV, C, K] bf16; kdT
+    [NC, HV, K, C] bf16; aqk [NC, HV, C, C] bf16; u0 [NC, HV, C, V] bf16; gl [NC, HV, K] f32.
+    h0 [NS, HV, K, V] f32; ccu [NS + 1] chunk offsets of the sequences; ctok / cnum [NC] first
+    packed token and token count of each chunk. -> (o [T, HV, V] f32, ht [NS, HV, K, V] f32)."""
+    NC, HV, C, K = w.shape
+    V = u0.shape[-1]
+    NS = h0.shape[0]
+    assert C == 64 and K % 64 == 0 and V % vt == 0
+
+    def kernel(w_ref, qg_ref, kdT_ref, aqk_ref, u0_ref, gl_ref, h0_ref, ccu_ref, ctok_ref, cnum_ref,
+               o_ref, ht_ref,
+               w_s, qg_s, kdT_s, aqk_s, u0_s, gl_s, sb, ub, obuf, sst, bar, sbar):
+        n = pl.program_id(0)
+        h = pl.program_id(1)
+        v0 = pl.program_id(2) * vt
+        c0 = ccu_ref[n]
+        nc = ccu_ref[n + 1] - c0
+
+        def issue(ci, slot):
+            b = bar.at[slot]
+            plgpu.copy_gmem_to_smem(w_ref.at[ci, h], w_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(qg_ref.at[ci, h], qg_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(kdT_ref.at[ci, h], kdT_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(aqk_ref.at[ci, h], aqk_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(u0_ref.at[ci, h, :, pl.ds(v0, vt)], u0_s.at[slot], b)
+            plgpu.copy_gmem_to_smem(gl_ref.at[ci, h], gl_s.at[slot], b)
+
+        st = h0_ref.at[n, h, :, pl.ds(v0, vt)]
+        plgpu.copy_gmem_to_smem(st, sst, sbar.at[0])
+
+        @pl.when(nc > 0)
+        def _():
+            issue(c0, 0)
+
+        plgpu.barrier_wait(sbar.at[0])
+        S = plgpu.load(sst, (), layout=WGMMA, optimized=False)
+
+        def body(c, S):
+            slot = lax.rem(c, 2)
+
+            @pl.when(c + 1 < nc)
+            def _():
+                issue(c0 + c + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar.at[slot])
+            sb[...] = S.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+
+            def wS_fn(acc):
+                plgpu.wgmma(acc, w_s.at[slot], sb)
+                return acc[...]
+
+            wS = pl.run_scoped(wS_fn, plgpu.ACC((C, vt), jnp.float32))
+            u = plgpu.load(u0_s.at[slot], (), layout=WGMMA).astype(jnp.float32) - wS
+            ub[...] = u.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            glv = plgpu.load(gl_s.at[slot], (), layout=ROW)
+
+            def upd(refs):
+                acc_o, acc_s = refs
+                plgpu.wgmma(acc_o, qg_s.at[slot], sb)
+                plgpu.wgmma(acc_o, aqk_s.at[slot], ub)
+                plgpu.wgmma(acc_s, kdT_s.at[slot], ub)
+
+            zeros = plgpu.layout_cast(jnp.zeros((C, vt), jnp.float32), WGMMA)
+            o, S = pl.run_state(upd)((plgpu.ACC.init(zeros), plgpu.ACC.init(S * _bc_rows(glv, (K, vt)))))
+            # o -> packed rows [tok, tok + cnt) through a ladder of static-size TMA stores
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's stores from chunk c-2
+            base = slot * C
+            obuf[pl.ds(base, C), :] = o
+            plgpu.commit_smem()
+            ci = c0 + c
+            tok = ctok_ref[ci]
+            cnt = cnum_ref[ci]
+            off = jnp.int32(0)
+            for p in _LADDER:
+                take = (cnt & p) != 0
+                plgpu.copy_smem_to_gmem(
+                    obuf.at[pl.ds(base + off, p)], o_ref.at[pl.ds(tok + off, p), h, pl.ds(v0, vt)],
+                    predicate=take, commit_group=False,
+                )
+                off = off + jnp.where(take, p, 0)
+            plgpu.commit_smem_to_gmem_group()
+            return S
+
+        S = lax.fori_loop(0, nc, body, S)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        sst[...] = S
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sst, ht_ref.at[n, h, :, pl.ds(v0, vt)])
+        plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=[jax.ShapeDtypeStruct((T, HV, V), jnp.float32), jax.ShapeDtypeStruct((NS, HV, K, V), jnp.float32)],
+        grid=(NS, HV, V // vt),
+        grid_names=("seq", "head", "vtile"),
+        scratch_types=[
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K)),
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K)),
+            plgpu.SMEM((2, K, C), jnp.bfloat16, **_bf16_tiled(C)),
+            plgpu.SMEM((2, C, C), jnp.bfloat16, **_bf16_tiled(C)),
+            plgpu.SMEM((2, C, vt), jnp.bfloat16, **_bf16_tiled(vt)),
+            plgpu.SMEM((2, K), jnp.float32),
+            plgpu.SMEM((K, vt), jnp.bfloat16, **_bf16_tiled(vt)),
+            plgpu.SMEM((C, vt), jnp.bfloat16, **_bf16_tiled(vt)),
+            plgpu.SMEM((2 * C, vt), jnp.float32),
+            plgpu.SMEM((K, vt), jnp.float32),
+            plgpu.Barrier(num_arrivals=6, num_barriers=2),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        ],
+        compiler_params=plgpu.CompilerParams(),
+        kernel_name="kda_chunk_mgpu",
+    )
+    return f(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)
+
+
+def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=64):
+    """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
+    initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
+    final_state [N, HV, K, V] f32)."""
+    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+    o, ht = _chunk_inter_call(*ops, q.shape[1], vt=vt)
+    return o[None], ht[: cu_seqlens.shape[0] - 1]
+
+
+def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale):
+    """The XLA part of `chunk`: gather into chunks and the intra-chunk prep -> the operands of
+    `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)."""
+    _, T, H, K = q.shape
+    HV, V = v.shape[-2], v.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    C = CHUNK_TOKENS
+    cu = cu_seqlens.astype(jnp.int32)
+    # the padding tokens past cu[N] form one more (discarded) sequence with zero inputs, so the
+    # kernel writes every output row and the padding rows come out 0
+    cu_ext = jnp.concatenate([cu, jnp.full((1,), T, jnp.int32)])
+    tab = chunk_table(cu_ext, T, C)
+    valid = tab.token_valid & (tab.token_idx < cu[N])
+    idx = jnp.clip(tab.token_idx, 0, T - 1)
+    Gq = HV // H
+
+    def gather(x, heads_rep=1):  # [T, h, X] -> [NC, HV, C, X] f32, zero outside valid tokens
+        x = x[0][idx].astype(jnp.float32)  # [NC, C, h, X]
+        if heads_rep > 1:
+            x = jnp.repeat(x, heads_rep, axis=2)
+        x = jnp.where(valid[:, :, None, None], x, 0.0)
+        return jnp.swapaxes(x, 1, 2)
+
+    qc = gather(q, Gq) * (K**-0.5 if scale is None else scale)
+    kc = gather(k, Gq)
+    vc = gather(v)
+    gc = gather(g)
+    bc = gather(beta[..., None])[..., 0]
+    w, u0, aqk, qg, kd, gl = chunk_prep(qc, kc, vc, gc, bc)
+    bf = jnp.bfloat16
+    kdT = jnp.swapaxes(kd, -1, -2).astype(bf)
+    h0 = jnp.zeros((N + 1, HV, K, V), jnp.float32)
+    if initial_state is not None:
+        h0 = h0.at[:N].set(initial_state.astype(jnp.float32))
+    nch = (cu_ext[1:] - cu_ext[:-1] + C - 1) // C
+    ccu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
+    ctok = tab.token_idx[:, 0]
+    cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
+    return w.astype(bf), qg.astype(bf), kdT, aqk.astype(bf), u0.astype(bf), gl, h0, ccu, ctok, cnum

@@ -1,0 +1,136 @@
+"""Pallas KDA kernels on CPU: the portable kernels in interpret mode (`impl="pallas_interpret"`)
+against the f32 jnp references at tiny shapes, on fresh random inputs; the Mosaic GPU kernels are
+lowered for CUDA (no GPU needed) so API drift shows up in CI. GPU numerics: tests/gpu/."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.kda import kda_chunk, kda_decode, kda_recurrent_ref
+
+IMPL = "pallas_interpret"
+
+
+def l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def inputs(rng, lead, H, HV, K, V, lower=-5.0):
+    f = lambda x: jnp.asarray(x, jnp.float32)
+    q = f(l2(rng.normal(size=lead + (H, K))))
+    k = f(l2(rng.normal(size=lead + (H, K))))
+    v = f(rng.normal(size=lead + (HV, V)))
+    g = f(lower / (1 + np.exp(-rng.normal(size=lead + (HV, K)))))
+    beta = f(1 / (1 + np.exp(-rng.normal(size=lead + (HV,)))))
+    return q, k, v, g, beta
+
+
+def close(a, b, tol=2e-5):
+    a, b = np.asarray(a), np.asarray(b)
+    assert np.isfinite(a).all(), "non-finite values"
+    np.testing.assert_allclose(a, b, atol=tol, rtol=0)
+
+
+def test_auto_resolves_to_xla_on_cpu():
+    assert resolve_impl("auto", "kda_decode") == "xla"
+    assert resolve_impl("auto", "kda_chunk") == "xla"
+    with pytest.raises(ValueError, match="impl"):
+        resolve_impl("triton", "kda_decode")
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
+def test_decode_in_place_by_slot(heads):
+    rng = np.random.default_rng()
+    H, HV = heads
+    N, K, V, NS, L = 3, 16, 8, 6, 2
+    q, k, v, g, beta = inputs(rng, (N,), H, HV, K, V)
+    pool = rng.normal(size=(NS, L, HV, K, V)).astype(np.float32)
+    pool[3, 1] = np.nan  # a reset slot may hold anything: it must not be read
+    slots = np.array([4, 3, 1], np.int32)
+    reset = np.array([False, True, False])
+    fn = jax.jit(functools.partial(kda_decode, layer=1, impl=IMPL), donate_argnums=(5,))
+    o, new = fn(q, k, v, g, beta, jnp.asarray(pool), jnp.asarray(slots), reset=jnp.asarray(reset))
+    new = np.asarray(new)
+    for i, s in enumerate(slots):
+        S0 = jnp.zeros((1, HV, K, V)) if reset[i] else jnp.asarray(pool[s : s + 1, 1])
+        o_r, S_r = kda_recurrent_ref(*(x[i : i + 1, None] for x in (q, k, v, g, beta)), initial_state=S0)
+        close(o[i], o_r[0, 0])
+        close(new[s, 1], S_r[0])
+    untouched = [s for s in range(NS) if s not in slots]
+    np.testing.assert_array_equal(new[untouched], pool[untouched])
+    np.testing.assert_array_equal(new[:, 0], pool[:, 0])
+
+
+def test_decode_matches_xla_path_without_reset():
+    rng = np.random.default_rng()
+    N, H, HV, K, V = 2, 1, 2, 16, 16
+    q, k, v, g, beta = inputs(rng, (N,), H, HV, K, V)
+    pool = jnp.asarray(rng.normal(size=(4, 1, HV, K, V)), jnp.float32)
+    slots = jnp.array([2, 0], jnp.int32)
+    o_x, p_x = kda_decode(q, k, v, g, beta, pool, slots, layer=0, scale=0.3)
+    o_p, p_p = kda_decode(q, k, v, g, beta, pool, slots, layer=0, scale=0.3, impl=IMPL)
+    close(o_p, o_x)
+    close(p_p, p_x)
+
+
+def test_varlen_chunk_empty_and_short_sequences():
+    """Packed sequences incl. empty and 1-token ones, lengths not multiples of 64, padding."""
+    rng = np.random.default_rng()
+    lens = [37, 0, 64, 1, 70]
+    H, HV, K, V = 2, 4, 16, 8
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 5  # trailing padding tokens
+    q, k, v, g, beta = inputs(rng, (1, T), H, HV, K, V)
+    S0 = jnp.asarray(rng.normal(size=(len(lens), HV, K, V)), jnp.float32)
+    fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], impl=IMPL))
+    o, S = fn(q, k, v, g, beta, S0, jnp.asarray(cu))
+    o = np.asarray(o)
+    for i, n in enumerate(lens):
+        a, b = cu[i], cu[i + 1]
+        o_r, S_r = kda_recurrent_ref(*(x[:, a:b] for x in (q, k, v, g, beta)), initial_state=S0[i : i + 1])
+        close(o[:, a:b], o_r)
+        close(S[i], S_r[0])
+    assert np.isfinite(o).all()
+    np.testing.assert_array_equal(o[:, cu[-1]:], 0.0)
+
+
+def test_dense_chunk_with_state():
+    rng = np.random.default_rng()
+    B, T, H, HV, K, V = 2, 70, 1, 2, 16, 8
+    q, k, v, g, beta = inputs(rng, (B, T), H, HV, K, V)
+    S0 = jnp.asarray(rng.normal(size=(B, HV, K, V)), jnp.float32)
+    o, S = kda_chunk(q, k, v, g, beta, initial_state=S0, impl=IMPL)
+    o_r, S_r = kda_recurrent_ref(q, k, v, g, beta, initial_state=S0)
+    close(o, o_r)
+    close(S, S_r)
+
+
+def _export_cuda(f, *args):
+    try:
+        return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
+    except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Mosaic GPU dialect
+        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+
+
+def test_mosaic_gpu_kernels_lower_for_cuda():
+    """Lowering only (no GPU): the plgpu kernels trace and lower to the Mosaic GPU custom call."""
+    from pallas_kernels.kda import mgpu
+
+    sd = jax.ShapeDtypeStruct
+    N, H, HV, K, V = 4, 2, 4, 128, 128
+    bf = jnp.bfloat16
+    apis = ["scatter"] + (["pallas_call"] if mgpu._pallas_call_available() else [])
+    for api in apis:  # JAX 0.11 has no pl.pallas_call for Mosaic GPU: "scatter" is what runs there
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api)
+        e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
+                         sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
+        assert "mosaic_gpu" in e.mlir_module()
+    T = 200
+    ch = functools.partial(mgpu.chunk, scale=K**-0.5)
+    e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf), sd((1, T, HV, K), jnp.float32),
+                     sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
+    assert "mosaic_gpu" in e.mlir_module()
