@@ -1,4 +1,5 @@
-"""`k3jax` command line. Subcommands: `generate` (stream a completion for one prompt).
+"""`k3jax` command line. Subcommands: `generate` (stream a completion for one prompt), `plan` (memory
+plan and node count of a model on a mesh, `k3jax/plan.py`).
 
 User errors (unknown preset, missing directory, empty prompt, bad sampling values) print one line
 to stderr and exit with status 2; progress goes through `logging` to stderr, generated text to stdout.
@@ -57,6 +58,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-special", action="store_true",
                    help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress messages and no summary on stderr (default: off)")
+    from k3jax import plan
+
+    plan.add_parser(sub)
     return parser
 
 
@@ -109,6 +113,10 @@ def _generate(args) -> int:
     return 0
 
 
+def _raise_user_error(msg: str):
+    raise UserError(msg)
+
+
 def _summary(stats: dict, times: list[float], t_start: float, load_s: float):
     n = len(times)
     warm = stats.get("warmup_s", 0.0)
@@ -156,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "plan":
+            from k3jax import plan
+
+            return plan.run(args, _raise_user_error)
         parser.error(f"unknown command {args.command!r}")
     except UserError as e:
         print(f"k3jax {args.command}: error: {e}", file=sys.stderr)

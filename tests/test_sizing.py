@@ -46,3 +46,37 @@ def test_kimi_linear_figures():
 def test_bad_tp():
     with pytest.raises(ValueError, match="tp"):
         memory_plan(preset("k3"), tp=7)
+
+
+def test_planner_reports_sizing_figures(capsys):
+    """`k3jax plan` prints k3jax.sizing's figures for k3 at tp=8 (MXFP4 experts, bf16 rest)."""
+    from k3jax.cli import main
+    from k3jax.sizing import MXFP4_BITS, smallest_deployment
+
+    assert main(["plan", "--model", "k3", "--mesh", "tp=8", "--hbm", "141GB", "--context", "128K"]) == 0
+    out = capsys.readouterr().out
+    cfg = preset("k3")
+    p = memory_plan(cfg, tp=8, expert_bits=MXFP4_BITS)
+    assert f"weights per device       {p.weight_bytes_per_device / 1e9:,.2f} GB" in out
+    assert f"recurrent {p.kda_recurrent_bytes_per_request:,} B f32" in out and "54,263,808" in out
+    assert f"MLA KV per token         {p.mla_kv_bytes_per_token:,} B" in out and "27,648" in out
+    assert f"max concurrent requests  {p.max_requests(141e9, 131072)} at 131,072" in out
+    assert "fits                     no" in out  # 198 GB of weights per device on one node
+    best = smallest_deployment(cfg, 141e9, 131072, expert_bits=MXFP4_BITS)
+    assert best.nodes == 2 and (best.plan.tp, best.plan.ep) == (8, 2)
+    assert "smallest deployment      2 node(s) of 8 x 141.00 GB: mesh tp=8,ep=2" in out
+    assert main(["plan", "--mesh", "tp=7"]) == 2
+    assert "tp=7 does not divide the 96 KDA heads" in capsys.readouterr().err
+
+
+def test_ep_dp_and_dp_attention():
+    from sharding.rules import Rules
+
+    cfg = preset("k3")
+    a, b = memory_plan(cfg, tp=8, expert_bits=4.25), memory_plan(cfg, tp=8, ep=8, expert_bits=4.25)
+    assert b.expert_weight_bytes_per_device * 8 == pytest.approx(a.expert_weight_bytes_per_device, rel=1e-9)
+    assert a.weight_bytes_per_device - a.expert_weight_bytes_per_device == \
+        b.weight_bytes_per_device - b.expert_weight_bytes_per_device  # the rest is replicated over ep
+    dpa = memory_plan(cfg, tp=8, ep=8, dp=2, rules=Rules.dp_attention(), expert_bits=4.25)
+    assert dpa.kv_shards == 2 and dpa.mla_kv_bytes_per_token == 27_648
+    assert dpa.max_requests(141e9, 1 << 20) > b.max_requests(141e9, 1 << 20)

@@ -2,7 +2,8 @@
 MoE FFN, plain or Block-AttnRes residuals) -> final norm -> LM head for the requested rows.
 
 `forward(params, state, batch, cfg, impl)` is a pure function; `step` is its jitted form with the
-state donated and `cfg` / `impl` static.
+state donated and `cfg` / `impl` static. `shard` (a `sharding.step.MeshContext`, static) runs the
+kernels per shard and the MoE expert-parallel; `sharding.step.make_sharded_step` passes it.
 """
 
 from __future__ import annotations
@@ -37,27 +38,28 @@ class Params:
     attn_res: AttnResParams | None  # Block AttnRes query sites (None: plain residual)
 
 
-def _attention(params: Params, h, ctx, state: DeviceState, i: int, cfg: ModelConfig, impl: str):
+def _attention(params: Params, h, ctx, state: DeviceState, i: int, cfg: ModelConfig, impl: str, shard=None):
     j = cfg.kind_index[i]
     if cfg.layer_kinds[i] == "kda":
         with jax.named_scope(f"layer{i}_kda"):
-            y, rec = kda_layer(layer_slice(params.kda, j), h, ctx, state.recurrent, j, cfg, impl)
+            y, rec = kda_layer(layer_slice(params.kda, j), h, ctx, state.recurrent, j, cfg, impl, shard)
         return y, DeviceState(recurrent=rec, kv=state.kv)
     with jax.named_scope(f"layer{i}_mla"):
-        y, kv = mla_layer(layer_slice(params.mla, j), h, ctx, state.kv, j, cfg, impl)
+        y, kv = mla_layer(layer_slice(params.mla, j), h, ctx, state.kv, j, cfg, impl, shard)
     return y, DeviceState(recurrent=state.recurrent, kv=kv)
 
 
-def _ffn(params: Params, h, i: int, cfg: ModelConfig):
+def _ffn(params: Params, h, i: int, cfg: ModelConfig, shard=None):
     j = cfg.ffn_index[i]
     if cfg.ffn_kinds[i] == "moe":
         with jax.named_scope(f"layer{i}_moe"):
-            return moe_ffn(layer_slice(params.moe, j), h, cfg)
+            return moe_ffn(layer_slice(params.moe, j), h, cfg, shard)
     with jax.named_scope(f"layer{i}_dense"):
         return dense_ffn(layer_slice(params.dense, j), h, cfg)
 
 
-def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla"):
+def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla",
+                   shard=None):
     """-> (final normed hidden of the `logit_idx` rows [R, D], state)."""
     ctx = make_context(batch, cfg.kda_conv_size)
     eps = cfg.rms_norm_eps
@@ -66,9 +68,9 @@ def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
     ar = params.attn_res
     if not B:
         for i in range(cfg.num_layers):
-            a, state = _attention(params, rms_norm(x, params.input_norm[i], eps), ctx, state, i, cfg, impl)
+            a, state = _attention(params, rms_norm(x, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard)
             x = x + a
-            x = x + _ffn(params, rms_norm(x, params.post_norm[i], eps), i, cfg)
+            x = x + _ffn(params, rms_norm(x, params.post_norm[i], eps), i, cfg, shard)
         out = x[batch.logit_idx]
     else:
         bank: list[jax.Array] = []
@@ -78,22 +80,22 @@ def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
             if i % B == 0:
                 bank.append(p)
                 p = None
-            a, state = _attention(params, rms_norm(h, params.input_norm[i], eps), ctx, state, i, cfg, impl)
+            a, state = _attention(params, rms_norm(h, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard)
             p = a if p is None else p + a
             h = mix(bank, p, layer_slice(ar.mlp, i), eps)
-            p = p + _ffn(params, rms_norm(h, params.post_norm[i], eps), i, cfg)
+            p = p + _ffn(params, rms_norm(h, params.post_norm[i], eps), i, cfg, shard)
         rows = batch.logit_idx
         out = mix([b[rows] for b in bank], p[rows], ar.out, eps)
     return rms_norm(out, params.final_norm, eps), state
 
 
-def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla"):
+def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "auto", shard=None):
     """-> (f32 logits [R, X] of the `logit_idx` rows, new state)."""
-    h, state = forward_hidden(params, state, batch, cfg, impl)
+    h, state = forward_hidden(params, state, batch, cfg, impl, shard)
     with jax.named_scope("lm_head"):
         logits = jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
                             preferred_element_type=jnp.float32)
     return logits, state
 
 
-step = jax.jit(forward, static_argnames=("cfg", "impl"), donate_argnames=("state",))
+step = jax.jit(forward, static_argnames=("cfg", "impl", "shard"), donate_argnames=("state",))

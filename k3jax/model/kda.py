@@ -4,6 +4,10 @@ gated delta rule core -> per-head RMSNorm x sigmoid(output gate) -> o_proj.
 Runs over the ragged packed tokens of one step (`StepContext`): the decode segment (one token per
 sequence) goes through `kda_decode`, the prefill segment through varlen `kda_chunk`; both read the
 recurrent pool by slot and write it back.
+
+Sharded by heads (`shard`, a `sharding.step.MeshContext`, None on one device): the kernel calls run
+per shard, and the conv channels (conv state and conv inputs) are kept in `groups` per-shard blocks
+`[q_r | k_r | v_r]` (`group_channels`), so a head shard owns one contiguous block of the conv state.
 """
 
 from __future__ import annotations
@@ -54,6 +58,24 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
+def group_channels(x: jax.Array, groups: int, H: int, K: int) -> jax.Array:
+    """[..., 3*H*K] channels in q|k|v order -> `groups` blocks [q_r | k_r | v_r] of H/groups heads each."""
+    if groups == 1:
+        return x
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, 3, groups, H * K // groups)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, 3 * H * K)
+
+
+def ungroup_channels(x: jax.Array, groups: int, H: int, K: int) -> jax.Array:
+    """Inverse of `group_channels`."""
+    if groups == 1:
+        return x
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, groups, 3, H * K // groups)
+    return jnp.swapaxes(y, -3, -2).reshape(*lead, 3 * H * K)
+
+
 def short_conv(x: jax.Array, w: jax.Array, init: jax.Array, ctx: StepContext):
     """Causal depthwise conv over each sequence's new tokens, continuing from its carried inputs.
 
@@ -67,17 +89,26 @@ def short_conv(x: jax.Array, w: jax.Array, init: jax.Array, ctx: StepContext):
 
 
 def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool, layer: int, cfg: ModelConfig,
-              impl: str = "xla"):
+              impl: str = "xla", shard=None):
     """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice."""
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     T = x.shape[0]
+    G = shard.groups("kda_heads") if shard is not None else 1
     with jax.named_scope("kda_proj"):
-        qkv = jnp.concatenate([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=-1)
+        if G == 1:
+            qkv = jnp.concatenate([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=-1)
+        else:  # stack, then regroup: each head shard keeps its own q, k, v columns (no communication)
+            qkv = jnp.stack([proj(x, p.q_proj), proj(x, p.k_proj), proj(x, p.v_proj)], axis=1)  # [T, 3, H*K]
+            qkv = shard.constrain(qkv, (None, None, "kda_heads"))
+            qkv = jnp.swapaxes(qkv.reshape(T, 3, G, H * K // G), 1, 2).reshape(T, 3 * H * K)
+            qkv = shard.constrain(qkv, (None, "kda_heads"))
         fresh = ctx.seq_fresh
         conv_init = jnp.where(fresh[:, None, None], 0, pool.conv[ctx.seq_slot, layer])
-        qkv, conv_new = short_conv(qkv, p.conv, conv_init, ctx)
+        qkv, conv_new = short_conv(qkv, group_channels(p.conv, G, H, K), conv_init, ctx)
         conv = pool.conv.at[ctx.seq_slot, layer].set(conv_new.astype(pool.conv.dtype))
-        q, k, v = jnp.split(qkv.reshape(T, 3, H, K), 3, axis=1)
+        q, k, v = jnp.split(ungroup_channels(qkv, G, H, K).reshape(T, 3, H, K), 3, axis=1)
+        if G > 1:
+            q, k, v = (shard.constrain(a, (None, None, "kda_heads", None)) for a in (q, k, v))
         q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]), v[:, 0]
         g = kda_gate(proj(proj(x, p.f_a), p.f_b), p, cfg)  # [T, H, K]
         beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]
@@ -85,20 +116,26 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
     nd = ctx.num_decode
     ssm = pool.ssm
     outs = []
+    decode = lambda q, k, v, g, beta, ssm, slots, reset: kda_kernels.kda_decode(
+        q, k, v, g, beta, ssm, slots, layer=layer, reset=reset, impl=impl)
+    chunk = lambda q, k, v, g, beta, s0, cu: kda_kernels.kda_chunk(
+        q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl=impl)
+    if shard is not None:  # each head shard runs the kernel on its heads and its part of the pool
+        th, bth = (None, "kda_heads", None), (None, None, "kda_heads", None)
+        pool_axes = ("slots", None, "kda_heads", None, None)
+        decode = shard.kernel(decode, (th, th, th, th, (None, "kda_heads"), pool_axes, (None,), (None,)),
+                              (th, pool_axes))
+        chunk = shard.kernel(chunk, (bth, bth, bth, bth, (None, None, "kda_heads"), (None, "kda_heads", None, None),
+                                     (None,)), (bth, (None, "kda_heads", None, None)))
     with jax.named_scope("kda_core"):
         if nd:
-            o_d, ssm = kda_kernels.kda_decode(
-                q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, ctx.seq_slot[:nd],
-                layer=layer, reset=fresh[:nd], impl=impl,
-            )
+            o_d, ssm = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, ctx.seq_slot[:nd], fresh[:nd])
             outs.append(o_d)
         if T > nd:
             slots_p = ctx.seq_slot[nd:]
             s0 = jnp.where(fresh[nd:, None, None, None], 0.0, ssm[slots_p, layer])
-            o_p, s_f = kda_kernels.kda_chunk(
-                q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:],
-                initial_state=s0, cu_seqlens=ctx.prefill_cu, impl=impl,
-            )
+            o_p, s_f = chunk(q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:], s0,
+                             ctx.prefill_cu)
             ssm = ssm.at[slots_p, layer].set(s_f)
             outs.append(o_p[0])
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [T, H, V] f32

@@ -43,7 +43,7 @@ def write_kv(pool: KVPool, kv: jax.Array, ctx: StepContext, layer: int) -> KVPoo
 
 
 def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer: int, cfg: ModelConfig,
-              impl: str = "xla"):
+              impl: str = "xla", shard=None):
     """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice."""
     T = x.shape[0]
     H, Nn, Nr, Vd, R = cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -64,22 +64,20 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
     scale = (Nn + Nr) ** -0.5
     nd = ctx.num_decode
     outs = []
+    attend = lambda q, q_pos, rows, pages, kv_len: mla_kernels.mla_paged_attention(
+        q, q_pos, rows, pages, kv_len, layer=layer, scale=scale, v_dim=R, impl=impl)
+    if shard is not None:  # per head shard (and per dp shard of the pages with DP-attention)
+        attend = shard.paged_attention(attend)
     with jax.named_scope("mla_attn"):
         if nd:
-            o = mla_kernels.mla_paged_attention(
-                qf[:nd, None], ctx.positions[:nd, None], ctx.page_table[:nd], pool.pages, ctx.seq_end[:nd],
-                layer=layer, scale=scale, v_dim=R, impl=impl,
-            )
+            o = attend(qf[:nd, None], ctx.positions[:nd, None], ctx.page_table[:nd], pool.pages, ctx.seq_end[:nd])
             outs.append(o[:, 0])
         if T > nd:
             tab = ctx.prefill_chunks
             Tp = T - nd
             idx = jnp.clip(tab.token_idx, 0, Tp - 1) + nd  # [NC, C]
             seq = tab.chunk_seq + nd
-            o = mla_kernels.mla_paged_attention(
-                qf[idx], ctx.positions[idx], ctx.page_table[seq], pool.pages, ctx.seq_end[seq],
-                layer=layer, scale=scale, v_dim=R, impl=impl,
-            )
+            o = attend(qf[idx], ctx.positions[idx], ctx.page_table[seq], pool.pages, ctx.seq_end[seq])
             dest = jnp.where(tab.token_valid, tab.token_idx, Tp).reshape(-1)
             outs.append(jnp.zeros((Tp, H, R), jnp.float32).at[dest].set(o.reshape(-1, H, R), mode="drop"))
         o_lat = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]

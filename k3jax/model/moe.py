@@ -62,28 +62,46 @@ def route(p: MoEParams, x: jax.Array, cfg: ModelConfig):
     return idx, w * cfg.routed_scaling_factor
 
 
-def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Grouped matmul over expert-sorted copies of z [T, Din]. Returns f32 [T, Din]."""
+def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg: ModelConfig,
+                   first_expert: jax.Array | None = None) -> jax.Array:
+    """Grouped matmul over expert-sorted copies of z [T, Din]. Returns f32 [T, Din].
+
+    `p.w1/w3/w2` hold all experts, or (with `first_expert`, under expert parallelism) the local ones
+    `[first_expert, first_expert + E_local)`: assignments to other experts sort last, fall outside the
+    groups and add nothing, so summing the results of all expert shards gives the full output.
+    """
     T, k = idx.shape
-    E = cfg.num_experts
+    E = p.w1.shape[0]
     flat = idx.reshape(-1)
+    local = None
+    if first_expert is not None:
+        flat = flat - first_expert
+        local = (flat >= 0) & (flat < E)
+        flat = jnp.where(local, flat, E)
     order = jnp.argsort(flat, stable=True)
     tok = order // k
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=E if local is None else E + 1)[:E].astype(jnp.int32)
     xs = z[tok].astype(p.w1.dtype)
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
     h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
     y = jax.lax.ragged_dot(h, p.w2, sizes, preferred_element_type=jnp.float32)
     y = y * w.reshape(-1)[order][:, None]
+    if local is not None:
+        y = jnp.where(local[order][:, None], y, 0.0)
     return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y)
 
 
-def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig, shard=None) -> jax.Array:
     with jax.named_scope("moe_route"):
         idx, w = route(p, x, cfg)
     with jax.named_scope("moe_experts"):
         z = proj(x, p.latent_down) if p.latent_down is not None else x
-        y = routed_experts(p, z, idx, w, cfg)
+        if shard is not None and p.latent_down is not None:  # computed sharded, then gathered for the experts
+            z = shard.constrain(z, (None, "latent"))
+        if shard is None:
+            y = routed_experts(p, z, idx, w, cfg)
+        else:  # expert parallel: each shard runs its experts, the shards' outputs are summed
+            y = shard.experts(routed_experts, p, z, idx, w, cfg)
         if p.latent_up is not None:
             if p.latent_norm is not None:
                 y = rms_norm(y, p.latent_norm, cfg.rms_norm_eps)

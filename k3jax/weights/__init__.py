@@ -14,7 +14,8 @@ separate `{q,k,v}_conv1d [C, 1, W]`, per-expert `experts.{e}.w{1,2,3}.weight`), 
 `experts.gate_up_proj`, `experts.down_proj`). Saving writes the first (published) variant.
 
 Host memory while loading is about one stacked parameter: each leaf is assembled in numpy from the
-tensors it needs, put on the device, and dropped.
+tensors it needs, put on the device, and dropped. With `shardings`, about one device's slice of one
+leaf: each distinct slice is read on its own (see `load_safetensors`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ __all__ = ["load_checkpoint", "load_orbax", "save_orbax", "load_safetensors", "s
            "quantize_mxfp4", "dequantize_mxfp4"]
 
 
-def load_checkpoint(directory: str | os.PathLike, dtype: str | None = None):
-    """-> (cfg, params): orbax when `k3jax_config.json` is present, else HF safetensors."""
+def load_checkpoint(directory: str | os.PathLike, dtype: str | None = None, *, shardings=None):
+    """-> (cfg, params): orbax when `k3jax_config.json` is present, else HF safetensors.
+    `shardings` (a Params-shaped tree of shardings, or a function `cfg -> tree`) places every
+    tensor directly into its shards."""
     directory = os.fspath(directory)
     if os.path.isfile(os.path.join(directory, ORBAX_CONFIG)):
-        return load_orbax(directory, dtype=dtype)
+        return load_orbax(directory, dtype=dtype, shardings=shardings)
     if os.path.isfile(os.path.join(directory, "config.json")):
-        return load_safetensors(directory, dtype=dtype)
+        return load_safetensors(directory, dtype=dtype, shardings=shardings)
     raise FileNotFoundError(
         f"{directory!r} is not a checkpoint: it has neither {ORBAX_CONFIG} (orbax) nor config.json (HF safetensors)")

@@ -35,18 +35,36 @@ class _V:
     save: Callable[[np.ndarray], list[np.ndarray]] | None = None  # our slice -> disk tensors
     kind: str = "pub"  # "pub" | "mxfp4" | "hf"
     dtypes: tuple | None = None  # per name: required safetensors dtype or None
+    # part(read, idx) -> our slice `[idx]` reading only what it needs: `read(k, disk_idx)` reads part of
+    # tensor `names[k]`. None: load the whole slice and index it.
+    part: Callable | None = None
 
     def shape_ok(self, i: int, shape: tuple) -> bool:
         s = self.shapes[i]
         return s.ok(shape) if isinstance(s, _Shape) else tuple(s) == tuple(shape)
 
 
+def _whole_part(read, ix):
+    return read(0, ix)
+
+
+def _mxfp4_part(read, k: int, in_sl: slice, out_sl: slice, inp: int) -> np.ndarray:
+    """Our [in, out] slice of one MXFP4 expert (packed `names[k]`, scales `names[k+1]`); reads only the
+    needed rows and, when `in_sl` is group aligned, only the needed packed columns."""
+    s0, s1, _ = in_sl.indices(inp)
+    a, b = (s0, s1) if s0 % MXFP4_GROUP == 0 and s1 % MXFP4_GROUP == 0 else (0, inp)
+    w = dequantize_mxfp4(read(k, (out_sl, slice(a // 2, b // 2))),
+                         read(k + 1, (out_sl, slice(a // MXFP4_GROUP, b // MXFP4_GROUP))))
+    return w.T[s0 - a:s1 - a]
+
+
 def _lin(name, out, inp):  # torch Linear weight [out, in] <-> ours [in, out]
-    return [_V((name,), ((out, inp),), lambda a: a[0].T, lambda w: [w.T])]
+    return [_V((name,), ((out, inp),), lambda a: a[0].T, lambda w: [w.T],
+               part=lambda read, ix: read(0, (ix[1], ix[0])).T)]
 
 
 def _vec(name, n):
-    return [_V((name,), ((n,),), lambda a: a[0], lambda w: [w])]
+    return [_V((name,), ((n,),), lambda a: a[0], lambda w: [w], part=_whole_part)]
 
 
 def _row(name, n):  # [1, n] on disk (AttnRes pseudo-query) <-> [n]
@@ -80,12 +98,14 @@ def _a_log(name, H, size, k3):
 def _experts(pre, w, E, out, inp, fused_name, fused_load, fused_shape):
     """Routed experts `w` in {w1, w2, w3}: our [E, inp, out]; disk per expert [out, inp]."""
     names = tuple(f"{pre}experts.{e}.{w}.weight" for e in range(E))
-    pub = _V(names, ((out, inp),) * E, lambda a: np.stack([x.T for x in a]), lambda s: [x.T for x in s])
+    pub = _V(names, ((out, inp),) * E, lambda a: np.stack([x.T for x in a]), lambda s: [x.T for x in s],
+             part=lambda read, ix: np.stack([read(e, (ix[2], ix[1])).T for e in range(E)[ix[0]]]))
     mx_names = tuple(f"{pre}experts.{e}.{w}.weight_{k}" for e in range(E) for k in ("packed", "scale"))
     g = max(inp // MXFP4_GROUP, 1)
     mx = _V(mx_names, ((out, inp // 2), (out, g)) * E,
             lambda a: np.stack([dequantize_mxfp4(a[2 * e], a[2 * e + 1]).T for e in range(E)]),
-            lambda s: [t for x in s for t in quantize_mxfp4(x.T)], kind="mxfp4", dtypes=("U8", "U8") * E)
+            lambda s: [t for x in s for t in quantize_mxfp4(x.T)], kind="mxfp4", dtypes=("U8", "U8") * E,
+            part=lambda read, ix: np.stack([_mxfp4_part(read, 2 * e, ix[1], ix[2], inp) for e in range(E)[ix[0]]]))
     fused = _V((f"{pre}experts.{fused_name}",), (fused_shape,), lambda a: fused_load(a[0]), kind="hf")
     return [pub, mx, fused]
 
@@ -114,7 +134,7 @@ def _variants(cfg: ModelConfig, path: str, i: int | None) -> list[_V]:
     D, V = cfg.hidden_size, cfg.vocab_size
     if i is None:
         if path == "embed":
-            return [_V(("model.embed_tokens.weight",), ((V, D),), lambda a: a[0], lambda w: [w])]
+            return [_V(("model.embed_tokens.weight",), ((V, D),), lambda a: a[0], lambda w: [w], part=_whole_part)]
         if path == "lm_head":
             vs = _lin("lm_head.weight", V, D)
             if cfg.tie_word_embeddings:

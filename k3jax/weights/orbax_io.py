@@ -81,9 +81,10 @@ def save_orbax(params, cfg: ModelConfig, directory: str | os.PathLike) -> None:
         json.dump(_cfg_to_json(cfg), f, indent=1)
 
 
-def load_orbax(directory: str | os.PathLike, dtype: str | None = None):
+def load_orbax(directory: str | os.PathLike, dtype: str | None = None, *, shardings=None):
     """-> (cfg, params) from a `save_orbax` directory; `dtype` overrides the model dtype (f32
-    leaves such as the router, dt_bias, A_log and conv stay f32)."""
+    leaves such as the router, dt_bias, A_log and conv stay f32). `shardings` (a Params-shaped tree
+    of shardings, or a function `cfg -> tree`) restores every leaf straight onto its shards."""
     import orbax.checkpoint as ocp
 
     from k3jax.model.init import param_shapes
@@ -97,7 +98,11 @@ def load_orbax(directory: str | os.PathLike, dtype: str | None = None):
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     paths, shapes, treedef = _leaf_paths(param_shapes(cfg))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = _nest(paths, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in shapes])
+    from k3jax.weights.sharded import leaf_shardings
+
+    leaf_sh = leaf_shardings(shardings, cfg, len(shapes))
+    if leaf_sh is None:
+        leaf_sh = [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(shapes)
+    target = _nest(paths, [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh) for s, sh in zip(shapes, leaf_sh)])
     restored = ocp.StandardCheckpointer().restore(os.path.join(directory, ORBAX_PARAMS), target)
     return cfg, jax.tree_util.tree_unflatten(treedef, _unnest(restored, paths))

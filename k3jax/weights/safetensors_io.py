@@ -17,6 +17,7 @@ from k3jax.weights.mxfp4 import MXFP4_GROUP
 from k3jax.weights.names import (_K3_PREFIX, _Shape, _canonical, _groups, _is_k3_layout, _layers_of, _published,
                                  _variants)
 from k3jax.weights.orbax_io import _leaf_paths
+from k3jax.weights.sharded import leaf_shardings, put_sharded
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,21 @@ class _Reader:
             arr = np.fromfile(path, dtype=np.uint8, count=e - b, offset=start + b)
             return arr.view(dt).reshape(meta["shape"])
 
+    def get_slice(self, canon: str, index: tuple) -> np.ndarray:
+        """`tensor[index]` reading only the pages it touches (a memory map of the file)."""
+        fn, name = self.where[canon]
+        header, start = self.headers[fn]
+        meta = header[name]
+        b, _ = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        dt = np.dtype(_ST_DTYPES[meta["dtype"]])
+        if not shape or 0 in shape:
+            return self.get(canon)[index]
+        mm = np.memmap(os.path.join(self.directory, fn), dtype=dt, mode="r", offset=start + b, shape=shape)
+        out = np.array(mm[index])
+        del mm
+        return out
+
     def close(self):
         for h in self._open.values():
             h.__exit__(None, None, None)
@@ -184,9 +200,16 @@ def _check_ffn_schedule(raw: dict, cfg: ModelConfig):
                              f"first_k_dense_replace / moe_layer_freq ({ours}); such schedules are not supported")
 
 
-def load_safetensors(directory: str | os.PathLike, dtype: str | None = None, *, progress: bool = True):
+def load_safetensors(directory: str | os.PathLike, dtype: str | None = None, *, progress: bool = True,
+                     shardings=None):
     """-> (cfg, params) from a HF checkpoint directory (`config.json` + safetensors); see the
-    module docstring for the accepted names. `dtype` overrides the config's dtype."""
+    module docstring for the accepted names. `dtype` overrides the config's dtype.
+
+    `shardings`: a Params-shaped tree of shardings, or a function `cfg -> tree` (e.g.
+    `lambda cfg: sharding.rules.param_shardings(cfg, mesh)`). Each leaf is then built directly on
+    its shards: every distinct shard on this process is read from the files on its own (memory
+    mapped; published and MXFP4 layouts read only the rows / columns / experts of the shard) and
+    put on its devices, so no process ever holds a whole leaf, let alone the whole model."""
     from tqdm.auto import tqdm
 
     from k3jax.model.init import param_shapes
@@ -212,11 +235,16 @@ def load_safetensors(directory: str | os.PathLike, dtype: str | None = None, *, 
                 cfg = cfg.replace(kda_a_log_size=int(shape[0]))
     paths, shapes, treedef = _leaf_paths(param_shapes(cfg))
     plan = _plan(cfg, reader, paths)
+    shard_leaves = leaf_shardings(shardings, cfg, len(paths))
     leaves = []
     total = sum(len(v.names) for rows in plan.values() for _, v in rows)
     try:
         with tqdm(total=total, desc="loading tensors", unit="tensor", disable=not progress) as bar:
-            for path, sds in zip(paths, shapes):
+            for k, (path, sds) in enumerate(zip(paths, shapes)):
+                if shard_leaves is not None:
+                    leaves.append(put_sharded(reader, plan[path], sds, shard_leaves[k]))
+                    bar.update(sum(len(v.names) for _, v in plan[path]))
+                    continue
                 dt = np.dtype(sds.dtype)
                 host = np.empty(sds.shape, dt)
                 for j, (i, v) in enumerate(plan[path]):
