@@ -7,7 +7,10 @@
 
 from k3jax.api import Model, load_model
 from k3jax.config import ModelConfig, preset
+from k3jax.engine.engine import LLM, Engine, EngineConfig, StreamDelta
+from k3jax.engine.request import RequestOutput
 from k3jax.sampling import SamplingParams
 
-__all__ = ["Model", "ModelConfig", "SamplingParams", "load_model", "preset"]
+__all__ = ["LLM", "Engine", "EngineConfig", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
+           "StreamDelta", "load_model", "preset"]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ class Model:
     config: ModelConfig
     params: Params
     tokenizer: object
-    impl: str = "xla"
+    impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
     mesh: object = None
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

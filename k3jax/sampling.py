@@ -90,9 +90,19 @@ def request_key(seed: int, position: int) -> np.ndarray:
     return np.array([h >> 32, h & 0xFFFFFFFF], dtype=np.uint32)
 
 
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def request_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """u32[R, 2]: `request_key` for each row."""
-    return np.stack([request_key(s, p) for s, p in zip(seeds, positions)]).reshape(-1, 2)
+    """u32[R, 2]: `request_key` for each row (vectorised; uint64 arithmetic wraps like the & mask)."""
+    s = np.array([int(x) & _MASK64 for x in seeds], np.uint64)
+    p = np.asarray(positions, np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix64_np(_mix64_np(s) + (p + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15))
+    return np.stack([h >> np.uint64(32), h & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32).reshape(-1, 2)
 
 
 @jax.jit

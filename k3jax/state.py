@@ -66,3 +66,28 @@ def init_state(cfg: ModelConfig, slots: int, pages: int, page_size: int, shardin
     return jax.jit(
         lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=sharding
     )()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StateOps:
+    """Per-sequence recurrent-state transitions of one step (0 = none; slot 0 is the sink)."""
+
+    restore_src: jax.Array  # i32[N] checkpoint slot copied into the sequence's working slot before the step
+    snap_dst: jax.Array  # i32[N] slot that receives a copy of the working slot after the step
+
+
+def copy_slots(pool: RecurrentPool, src: jax.Array, dst: jax.Array) -> RecurrentPool:
+    """pool[dst] = pool[src] for every pair (gather then scatter, so all sources are read first).
+    Pairs with dst 0 write the sink."""
+    return RecurrentPool(ssm=pool.ssm.at[dst].set(pool.ssm[src]), conv=pool.conv.at[dst].set(pool.conv[src]))
+
+
+def restore_checkpoints(state: DeviceState, ops: StateOps, slots: jax.Array) -> DeviceState:
+    dst = jnp.where(ops.restore_src > 0, slots, 0)
+    return DeviceState(recurrent=copy_slots(state.recurrent, ops.restore_src, dst), kv=state.kv)
+
+
+def snapshot_slots(state: DeviceState, ops: StateOps, slots: jax.Array) -> DeviceState:
+    src = jnp.where(ops.snap_dst > 0, slots, 0)
+    return DeviceState(recurrent=copy_slots(state.recurrent, src, ops.snap_dst), kv=state.kv)

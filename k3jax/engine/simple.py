@@ -25,13 +25,16 @@ SLOT = 1  # slot 0 is the padding sink
 
 
 def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, *, page_size: int = 16,
-                    prefill_chunk: int = 256, warmup: bool = False, stats: dict | None = None) -> Iterator[int]:
+                    prefill_chunk: int = 256, warmup: bool = False, stats: dict | None = None,
+                    max_seq_len: int | None = None) -> Iterator[int]:
     """Yield the generated token ids of one request as they are sampled.
 
     Stops after `max_new_tokens` tokens, after EOS (yielded), after the token that completes a stop
     string (yielded), or at the model's context limit. `warmup=True` first runs padding-only steps
     (they touch only the sinks) so compilation happens before the prompt is processed. `stats`, if
     given, receives `warmup_s`, `prompt_tokens`, `generated_tokens` and `finish_reason`.
+    `max_seq_len` fixes every shape (page table width, prefill bucket) so that many requests of
+    different lengths share two compiled steps.
     """
     cfg = model.config
     sampling.validate(cfg.vocab_size)
@@ -47,8 +50,14 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model's context holds {limit} "
                          f"(prompt plus at least one generated token)")
     max_new = min(sampling.max_new_tokens, limit - len(prompt))
-    pages_per_seq = -(-(len(prompt) + max_new) // page_size)
-    P = -(-min(prefill_chunk, len(prompt)) // 64) * 64
+    if max_seq_len is not None:
+        if len(prompt) + max_new > max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens ({len(prompt) + max_new}) exceeds max_seq_len {max_seq_len}")
+        pages_per_seq = -(-max_seq_len // page_size)
+        P = -(-prefill_chunk // 64) * 64
+    else:
+        pages_per_seq = -(-(len(prompt) + max_new) // page_size)
+        P = -(-min(prefill_chunk, len(prompt)) // 64) * 64
     chunk = min(prefill_chunk, P)
     stats = {} if stats is None else stats
     stats.update(prompt_tokens=len(prompt), generated_tokens=0, warmup_s=0.0, finish_reason=None)

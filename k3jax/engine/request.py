@@ -1,0 +1,89 @@
+"""A request's host-side record and the output users see."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from k3jax.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting to resume)
+    RUNNING = "running"  # holds a working slot; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (including the EOS or stop-completing token)
+    text: str
+    finish_reason: str | None  # "length" | "eos" | "stop" | "abort" | None while running
+    cached_tokens: int  # prompt tokens restored from the prefix cache (not recomputed) at admission
+    recomputed_tokens: int  # tokens the model processed for this request (prefill, replay, resume)
+    num_preemptions: int
+    metrics: dict  # arrival, first_token, finish (perf_counter seconds), ttft_s, e2e_s
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """Everything the scheduler tracks for one request. `fed` is the token sequence the model
+    has processed or will process next (prompt, then generated tokens as they are fed back)."""
+
+    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, seed: int, detok=None):
+        self.id = request_id
+        self.prompt = list(prompt)
+        self.sampling = sampling
+        self.seed = seed
+        self.detok = detok
+        self.status = Status.WAITING
+        self.output: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        # device resources
+        self.slot: int | None = None  # working slot
+        self.extra: int | None = None  # extra-buffer slot (snapshot target), lazily allocated
+        self.snap_depth = 0  # depth of the snapshot held in `extra`
+        self.pages: list[int] = []  # page table: page ids for positions [0, len(pages) * page_size)
+        self.owned: set[int] = set()  # pages of `pages` this request owns (the rest belong to the tree)
+        self.lock_node = None  # deepest radix node this request keeps locked
+        self.restore = None  # (slot, node) to copy into the working slot in the first step, if any
+        self.plant_at = 0  # chunk-aligned depth where this request should leave a checkpoint
+        # progress
+        self.computed = 0  # tokens whose KV/state a scheduled step writes (host view, at schedule time)
+        self.prefill_target = 0  # set at admission: prompt plus the outputs known then (resume)
+        self.pending_row: tuple[int, int] | None = None  # (plan id, row) of the step sampling its next token
+        self.scheduled_samples = 0  # sampled tokens already scheduled (they become outputs)
+        self.inflight = 0  # dispatched steps whose results are not processed yet
+        self.cached_tokens = 0
+        self.recomputed = 0
+        self.preemptions = 0
+        self.aborted = False
+        self.metrics = {"arrival": time.perf_counter()}
+        self.stream_pos = 0  # tokens already handed to a streaming consumer
+
+    @property
+    def fed(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < self.prefill_target
+
+    def to_output(self) -> RequestOutput:
+        m = dict(self.metrics)
+        if "first_token" in m:
+            m["ttft_s"] = m["first_token"] - m["arrival"]
+        if "finish" in m:
+            m["e2e_s"] = m["finish"] - m["arrival"]
+        return RequestOutput(
+            request_id=self.id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), text=self.text,
+            finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, recomputed_tokens=self.recomputed,
+            num_preemptions=self.preemptions, metrics=m,
+        )
