@@ -22,7 +22,24 @@ class Model:
     params: Params
     tokenizer: object
     impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
-    mesh: object = None
+    mesh: object = None  # a jax.sharding.Mesh: params laid out by sharding.rules, steps sharded on it
+
+    def step_fn(self):
+        """`(params, state, batch) -> (logits, state)`, state donated: the jitted forward, or on a mesh
+        the sharded one (`sharding.step.make_sharded_step`)."""
+        if self.mesh is None:
+            return lambda params, state, batch: step(params, state, batch, self.config, self.impl)
+        from sharding.step import make_sharded_step
+
+        return make_sharded_step(self.config, self.mesh, impl=self.impl)
+
+    def init_state(self, slots: int, pages: int, page_size: int):
+        """A zeroed device state for `step_fn` (sharded on the mesh, if any)."""
+        if self.mesh is None:
+            return init_state(self.config, slots, pages, page_size)
+        from sharding.step import make_sharded_step
+
+        return make_sharded_step(self.config, self.mesh, impl=self.impl).init_state(slots, pages, page_size)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """One plain forward over `token_ids` from an empty context: f32 logits `[T, vocab]`."""
@@ -34,22 +51,33 @@ class Model:
         T = int(ids.size)
         P = -(-T // 64) * 64
         n_pages = -(-T // LOGITS_PAGE_SIZE)
-        state = init_state(self.config, slots=2, pages=n_pages + 1, page_size=LOGITS_PAGE_SIZE)
+        state = self.init_state(slots=2, pages=n_pages + 1, page_size=LOGITS_PAGE_SIZE)
         work = SeqWork(tokens=ids.tolist(), start=0, slot=1, pages=list(range(1, n_pages + 1)), all_logits=True)
         packed = pack_step([], [work], D=0, P=P, NP=1, pages_per_seq=n_pages, R=P)
-        out, _ = step(self.params, state, packed.batch, self.config, self.impl)
+        out, _ = self.step_fn()(self.params, state, packed.batch)
         return np.asarray(out)[packed.rows[0]]
 
 
 def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None = None) -> Model:
-    """A preset name (random weights, seeded) or a checkpoint directory (safetensors or orbax)."""
+    """A preset name (random weights, seeded) or a checkpoint directory (safetensors or orbax).
+
+    `mesh` ("tp=2", "tp=4,ep=2", "dp=2,tp=2", or a Mesh): every weight is placed directly into its
+    shards (`sharding.rules.param_shardings`; no full host copy of a checkpoint), and `Model.logits`
+    and engines built on the model run sharded on that mesh."""
     from k3jax.model.init import init_params
     from k3jax.tokenizer import load_tokenizer
 
+    shardings = None
+    if mesh is not None:
+        from sharding.mesh import make_mesh
+        from sharding.rules import param_shardings
+
+        mesh = make_mesh(mesh)
+        shardings = lambda cfg: param_shardings(cfg, mesh)
     if os.path.isdir(name_or_dir):
         from k3jax.weights import load_checkpoint
 
-        cfg, params = load_checkpoint(name_or_dir, dtype=dtype)
+        cfg, params = load_checkpoint(name_or_dir, dtype=dtype, shardings=shardings)
         tok = load_tokenizer(name_or_dir, cfg)
     else:
         if os.sep in name_or_dir or name_or_dir.startswith("."):
@@ -61,6 +89,6 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
         cfg = preset(name_or_dir)
         if dtype:
             cfg = cfg.replace(dtype=dtype)
-        params = init_params(cfg, seed)
+        params = init_params(cfg, seed, shardings=shardings(cfg) if shardings else None)
         tok = load_tokenizer(None, cfg)
     return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh)

@@ -1,8 +1,10 @@
-"""The sharded step: the model's `forward` under jit with explicit in/out shardings on a mesh.
+"""The sharded step: a step function (the model's `forward`, or the engine's device step around it)
+under jit with explicit in/out shardings on a mesh; one construction serves both.
 
-Parameters and device state are laid out by the rules (`sharding.rules`); the batch is replicated;
-the state is donated. Attention and dense FFNs run under plain jit (GSPMD propagates the head /
-intermediate shardings from the weights and inserts the all-reduces); the model calls back into
+Parameters and device state are laid out by the rules (`sharding.rules`); the step's other inputs
+(batch, state ops, sampling parameters) and its output are replicated; the state is donated.
+Attention and dense FFNs run under plain jit (GSPMD propagates the head / intermediate shardings
+from the weights and inserts the all-reduces); the model calls back into
 `MeshContext` where code must run per shard:
 
 - `kernel`: a kernel call (KDA decode / chunk) under `shard_map` over the head axis, so a Pallas
@@ -116,38 +118,50 @@ def _axis_index(axes: tuple[str, ...]):
     return jax.lax.axis_index(axes[0] if len(axes) == 1 else axes)
 
 
-def _put_replicated(tree, sharding: NamedSharding):
-    """Host arrays -> global arrays replicated on the mesh (every process passes the same values)."""
-    def put(a):
-        if isinstance(a, jax.Array) and a.sharding == sharding:
-            return a
-        a = np.asarray(a)
-        return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-    return jax.tree_util.tree_map(put, tree)
+def put_replicated(tree, sharding: NamedSharding):
+    """Host values -> global arrays replicated on the mesh, in one transfer; arrays already placed so
+    are kept. Valid with several processes when every process passes the same values."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    todo = [i for i, a in enumerate(leaves) if not (isinstance(a, jax.Array) and a.sharding == sharding)]
+    if todo:
+        placed = jax.device_put([np.asarray(leaves[i]) for i in todo], sharding)
+        for i, a in zip(todo, placed):
+            leaves[i] = a
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 class ShardedStep:
-    """`step(params, state, batch) -> (logits [R, X] f32 replicated, state)` on `mesh`, state donated.
+    """`step(params, state, *inputs) -> (out, state)` on `mesh`: `fn(params, state, *inputs, cfg=, impl=,
+    shard=)` under jit with explicit shardings: params and state laid out by the rules, the inputs and
+    `out` replicated, the state donated. `fn` defaults to the model's `forward` (out: logits [R, X] f32);
+    the engine passes its device step (restore, forward, snapshot, sample).
 
-    Also carries the layouts: `param_shardings`, `state_shardings`, `batch_sharding`, and helpers
-    to place parameters (`shard_params`) and allocate sharded state (`init_state`).
+    Also carries the layouts: `param_shardings`, `state_shardings`, `replicated` (= `batch_sharding`),
+    and helpers to place parameters (`shard_params`), host inputs (`replicate`) and allocate sharded
+    state (`init_state`).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla"):
-        from k3jax.model.forward import forward
+    def __init__(self, cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None):
+        if fn is None:
+            from k3jax.model.forward import forward as fn
 
         self.cfg, self.mesh, self.rules, self.impl = cfg, make_mesh(mesh), rules or Rules(), impl
         self.context = MeshContext(self.mesh, self.rules)
         self.param_shardings = param_shardings(cfg, self.mesh, self.rules)
         self.state_shardings = state_shardings(cfg, self.mesh, rules=self.rules)
-        self.batch_sharding = NamedSharding(self.mesh, P())
-        fwd = functools.partial(forward, cfg=cfg, impl=impl, shard=self.context)
-        self.jitted = jax.jit(fwd, in_shardings=(self.param_shardings, self.state_shardings, self.batch_sharding),
-                              out_shardings=(self.batch_sharding, self.state_shardings), donate_argnums=(1,))
+        self.replicated = self.batch_sharding = NamedSharding(self.mesh, P())
 
-    def __call__(self, params, state, batch):
-        return self.jitted(params, state, _put_replicated(batch, self.batch_sharding))
+        def body(params, state, inputs):
+            return fn(params, state, *inputs, cfg=cfg, impl=impl, shard=self.context)
+
+        self.jitted = jax.jit(body, in_shardings=(self.param_shardings, self.state_shardings, self.replicated),
+                              out_shardings=(self.replicated, self.state_shardings), donate_argnums=(1,))
+
+    def __call__(self, params, state, *inputs):
+        return self.jitted(params, state, self.replicate(inputs))
+
+    def replicate(self, tree):
+        return put_replicated(tree, self.replicated)
 
     def shard_params(self, params):
         return shard_params(params, self.param_shardings)
@@ -159,6 +173,13 @@ class ShardedStep:
         return init_state(self.cfg, slots, pages, page_size, sharding=sh)
 
 
-def make_sharded_step(cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla") -> ShardedStep:
-    """The jitted, sharded forward step for `cfg` on `mesh` (a Mesh or a spec such as "tp=4,ep=2")."""
-    return ShardedStep(cfg, mesh, rules, impl)
+@functools.lru_cache(maxsize=32)
+def _cached_step(cfg, mesh, rules, impl, fn):
+    return ShardedStep(cfg, mesh, rules, impl, fn)
+
+
+def make_sharded_step(cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None) -> ShardedStep:
+    """The jitted, sharded step for `cfg` on `mesh` (a Mesh or a spec such as "tp=4,ep=2"): `fn` (default
+    the model's `forward`) with explicit in/out shardings. One object (and one compile cache) per
+    (cfg, mesh, rules, impl, fn)."""
+    return _cached_step(cfg, make_mesh(mesh), rules or Rules(), impl, fn)

@@ -14,9 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from k3jax.engine.runner import SeqWork, pack_step
-from k3jax.model.forward import step
 from k3jax.sampling import SamplingParams, request_key, resolve_seed, sample
-from k3jax.state import init_state
 from k3jax.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
@@ -62,7 +60,8 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     stats = {} if stats is None else stats
     stats.update(prompt_tokens=len(prompt), generated_tokens=0, warmup_s=0.0, finish_reason=None)
 
-    state = init_state(cfg, slots=2, pages=pages_per_seq + 1, page_size=page_size)
+    state = model.init_state(slots=2, pages=pages_per_seq + 1, page_size=page_size)  # sharded on model.mesh
+    fwd = model.step_fn()
     temperature = np.array([sampling.temperature], np.float32)
     top_k = np.array([sampling.top_k], np.int32)
     top_p = np.array([sampling.top_p], np.float32)
@@ -71,7 +70,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     def run(decode, prefill, D, P_, NP):
         nonlocal state
         packed = pack_step(decode, prefill, D=D, P=P_, NP=NP, pages_per_seq=pages_per_seq)
-        logits, state = step(model.params, state, packed.batch, cfg, model.impl)
+        logits, state = fwd(model.params, state, packed.batch)
         return logits
 
     if warmup:

@@ -123,8 +123,12 @@ def _init_jit(cfg: ModelConfig, seed: int) -> Params:
     return _init(cfg, seed)
 
 
-def init_params(cfg: ModelConfig, seed: int = 0) -> Params:
-    """Random parameters for `cfg`, deterministic in `seed`."""
+def init_params(cfg: ModelConfig, seed: int = 0, shardings=None) -> Params:
+    """Random parameters for `cfg`, deterministic in `seed`. `shardings` (a Params tree of shardings,
+    e.g. `sharding.rules.param_shardings`) makes each device compute only its shards: same values,
+    no full copy on one device, and valid with several processes."""
+    if shardings is not None:
+        return jax.jit(partial(_init, cfg, int(seed)), out_shardings=shardings)()
     return _init_jit(cfg, int(seed))
 
 
