@@ -48,6 +48,14 @@ class IdPool:
     def free_ids(self) -> list[int]:
         return list(self._free)
 
+    def all_ids(self) -> list[int]:
+        return list(range(1, self.size))
+
+    @staticmethod
+    def physical(ids):
+        """Device ids of these ids: the same ids (the unified memory facades translate)."""
+        return list(ids)
+
 
 class PagePool(IdPool):
     def __init__(self, size: int, page_size: int):

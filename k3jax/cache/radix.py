@@ -22,8 +22,12 @@ import math
 from dataclasses import dataclass
 
 
+_SERIAL = itertools.count()  # creation order: the LRU tie-break (never id(), which differs per process)
+
+
 class Node:
-    __slots__ = ("parent", "children", "key", "pages", "depth", "ckpt", "branch", "lock", "pins", "last_access")
+    __slots__ = ("parent", "children", "key", "pages", "depth", "ckpt", "branch", "lock", "pins", "last_access",
+                 "serial")
 
     def __init__(self, parent, key: tuple, pages: list, depth: int):
         self.parent = parent
@@ -36,6 +40,7 @@ class Node:
         self.lock = 0  # running requests that read this node's KV (own or descendants)
         self.pins = 0  # pending restores from this node's checkpoint
         self.last_access = 0
+        self.serial = next(_SERIAL)
 
     def __repr__(self):
         return f"Node(depth={self.depth}, edge={len(self.key)}, ckpt={self.ckpt}, lock={self.lock})"
@@ -201,13 +206,13 @@ class RadixTree:
 
     def evict_checkpoints(self, n: int) -> list[int]:
         """Tombstone up to n unpinned checkpoints, least recently used first; returns their slots."""
-        victims = heapq.nsmallest(n, (x for x in self.ckpt_nodes if x.pins == 0), key=lambda x: x.last_access)
+        victims = heapq.nsmallest(n, (x for x in self.ckpt_nodes if x.pins == 0), key=lambda x: (x.last_access, x.serial))
         return [self._drop_ckpt(v) for v in victims]
 
     def evict_kv(self, n_pages: int) -> tuple[list[int], list[int]]:
         """Remove unlocked leaves (LRU first) until n_pages pages are freed or none is left.
         Returns (freed pages, freed checkpoint slots)."""
-        heap = [(x.last_access, id(x), x) for x in self._leaves() if x.lock == 0]
+        heap = [(x.last_access, x.serial, x) for x in self._leaves() if x.lock == 0]
         heapq.heapify(heap)
         pages: list[int] = []
         slots: list[int] = []
@@ -220,7 +225,7 @@ class RadixTree:
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
             if parent is not self.root and not parent.children and parent.lock == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         return pages, slots
 
     # ---- inspection ---------------------------------------------------------------------------

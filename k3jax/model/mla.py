@@ -39,7 +39,7 @@ def write_kv(pool: KVPool, kv: jax.Array, ctx: StepContext, layer: int) -> KVPoo
     pos = jnp.maximum(ctx.positions, 0)
     page = jnp.take_along_axis(ctx.page_table[ctx.token_seq], (pos // ps)[:, None], axis=1, mode="clip")[:, 0]
     page = jnp.where(ctx.token_valid, page, 0)
-    return KVPool(pages=pool.pages.at[page, layer, pos % ps].set(kv.astype(pool.pages.dtype)))
+    return pool.write_tokens(page, layer, pos % ps, kv)
 
 
 def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer: int, cfg: ModelConfig,
@@ -62,22 +62,27 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
         qf = jnp.concatenate([q_lat, q[..., Nn:].astype(jnp.float32)], axis=-1)  # [T, H, R + N_rope]
 
     scale = (Nn + Nr) ** -0.5
-    nd = ctx.num_decode
+    nd, B = ctx.num_decode, ctx.block
+    ndt = nd * B  # decode-segment tokens
     outs = []
+    # `pool.attention_pages` gives (rows, pages): the pool itself, read at `layer` in place, or (unified
+    # memory) the step's pages gathered out of the shared buffer as a one-layer pool
+    lay = layer if pool.in_place else 0
     attend = lambda q, q_pos, rows, pages, kv_len: mla_kernels.mla_paged_attention(
-        q, q_pos, rows, pages, kv_len, layer=layer, scale=scale, v_dim=R, impl=impl)
+        q, q_pos, rows, pages, kv_len, layer=lay, scale=scale, v_dim=R, impl=impl)
     if shard is not None:  # per head shard (and per dp shard of the pages with DP-attention)
         attend = shard.paged_attention(attend)
     with jax.named_scope("mla_attn"):
         if nd:
-            o = attend(qf[:nd, None], ctx.positions[:nd, None], ctx.page_table[:nd], pool.pages, ctx.seq_end[:nd])
-            outs.append(o[:, 0])
-        if T > nd:
+            o = attend(qf[:ndt].reshape(nd, B, *qf.shape[1:]), ctx.positions[:ndt].reshape(nd, B),
+                       *pool.attention_pages(ctx.page_table[:nd], layer), ctx.seq_end[:nd])
+            outs.append(o.reshape(ndt, *o.shape[2:]))
+        if T > ndt:
             tab = ctx.prefill_chunks
-            Tp = T - nd
-            idx = jnp.clip(tab.token_idx, 0, Tp - 1) + nd  # [NC, C]
+            Tp = T - ndt
+            idx = jnp.clip(tab.token_idx, 0, Tp - 1) + ndt  # [NC, C]
             seq = tab.chunk_seq + nd
-            o = attend(qf[idx], ctx.positions[idx], ctx.page_table[seq], pool.pages, ctx.seq_end[seq])
+            o = attend(qf[idx], ctx.positions[idx], *pool.attention_pages(ctx.page_table[seq], layer), ctx.seq_end[seq])
             dest = jnp.where(tab.token_valid, tab.token_idx, Tp).reshape(-1)
             outs.append(jnp.zeros((Tp, H, R), jnp.float32).at[dest].set(o.reshape(-1, H, R), mode="drop"))
         o_lat = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
