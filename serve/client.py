@@ -1,0 +1,267 @@
+"""`k3jax-client`: a command-line client of `k3jax-serve`, and `connect()` for Python callers.
+
+    k3jax-client generate --prompt "Hello" --max-new-tokens 16
+    k3jax-client health --wait 120
+    k3jax-client info
+
+Generated text streams to stdout as it arrives; a summary (finish reason, token usage, time to first
+token) goes to stderr. Errors (bad flags, an unreachable server, a refused request) print one line
+to stderr and exit 2. `health` exits 0 when the server reports SERVING, 1 otherwise.
+
+    from serve.client import connect
+    from serve import pb
+    stub = pb.GenerationStub(connect("127.0.0.1:50051", api_key="..."))
+    for r in stub.Generate(pb.GenerateRequest(text="Hello", max_new_tokens=8)): print(r.text, end="")
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+import time
+
+import grpc
+
+_EXIT_USAGE = 2
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class UserError(Exception):
+    """Reported in one line, exit status 2."""
+
+
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                   "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    pass
+
+
+class ApiKeyClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call of a (sync) channel."""
+
+    def __init__(self, key: str):
+        self._md = ("authorization", f"Bearer {key}")
+
+    def _details(self, d):
+        md = list(d.metadata or []) + [self._md]
+        return _Details(d.method, d.timeout, md, d.credentials, getattr(d, "wait_for_ready", None),
+                        getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def connect(target: str = DEFAULT_TARGET, api_key: str | None = None,
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """An insecure (plaintext) channel to `target` that sends `api_key` with every call."""
+    ch = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", max_message_bytes),
+                                                ("grpc.max_send_message_length", max_message_bytes)])
+    return grpc.intercept_channel(ch, ApiKeyClientInterceptor(api_key)) if api_key else ch
+
+
+# ---- command line ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3jax-client", description="Talk to a k3jax-serve gRPC server.")
+    p.add_argument("--target", default=os.environ.get("K3JAX_TARGET", DEFAULT_TARGET), metavar="HOST:PORT",
+                   help="server address (default: $K3JAX_TARGET, else %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), metavar="KEY",
+                   help="API key sent as 'authorization: Bearer KEY' (default: $K3JAX_API_KEY, else none)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="deadline of each call in seconds (default: %(default)s)")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="N",
+                   help="largest message sent or received (default: %(default)s)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to stdout",
+                       description="Stream the completion of one prompt to stdout; a summary goes to stderr.")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized by the server)")
+    src.add_argument("--token-ids", metavar="IDS", help="prompt token ids, comma- or space-separated")
+    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="tokens to generate (default: the server's default)")
+    g.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="softmax temperature, 0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus mass in (0, 1] (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens (default: 0, off)")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="finish after the token that completes STR (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
+                   help="finish after token ID (repeatable)")
+    g.add_argument("--request-id", default="", metavar="ID", help="request id (default: assigned by the server)")
+    g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to a text prompt (default: off)")
+    out = g.add_mutually_exclusive_group()
+    out.add_argument("--ids", action="store_true", help="print token ids instead of text (default: text)")
+    out.add_argument("--json", action="store_true", help="print every response as one JSON line (default: text)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr (default: off)")
+
+    h = sub.add_parser("health", help="print the server's health status (exit 0 if SERVING)",
+                       description="Query grpc.health.v1.Health/Check; print SERVING / NOT_SERVING / ...; exit 0 "
+                                   "when SERVING, 1 otherwise.")
+    h.add_argument("--service", default="", metavar="NAME",
+                   help="service to check, e.g. k3jax.v1.Generation (default: '' = the whole server)")
+    h.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="poll until SERVING for at most S seconds (default: %(default)s, one check)")
+
+    i = sub.add_parser("info", help="print the model config, limits, features and engine load as JSON",
+                       description="Call GetModelInfo and print the answer as JSON.")
+    i.add_argument("--check-invariants", action="store_true",
+                   help="also run the engine's resource check (servers started with --debug-invariants only)")
+
+    a = sub.add_parser("abort", help="abort a running request by id", description="Call Abort; print found / not found.")
+    a.add_argument("request_id", metavar="REQUEST_ID", help="the id of the request to abort")
+    return p
+
+
+def _rpc_error(e: grpc.RpcError) -> UserError:
+    code = e.code().name if hasattr(e, "code") and e.code() is not None else "UNKNOWN"
+    details = (e.details() if hasattr(e, "details") else str(e)) or ""
+    return UserError(f"{code}: {' '.join(details.split())}")
+
+
+def _generate(args, channel) -> int:
+    from serve import pb
+
+    req = pb.GenerateRequest(request_id=args.request_id, add_bos=args.add_bos)
+    if args.prompt is not None:
+        req.text = args.prompt
+    else:
+        try:
+            ids = [int(x) for x in args.token_ids.replace(",", " ").split()]
+        except ValueError:
+            raise UserError(f"--token-ids must be integers, got {args.token_ids!r}") from None
+        req.token_ids.ids.extend(ids)
+        if not ids:
+            req.token_ids.SetInParent()
+    if args.max_new_tokens is not None:
+        req.max_new_tokens = args.max_new_tokens
+    for f in ("temperature", "top_p", "top_k", "seed"):
+        v = getattr(args, f)
+        if v is not None:
+            if f == "seed" and v < 0:
+                raise UserError(f"--seed must be >= 0, got {v}")
+            setattr(req.sampling, f, v)
+    req.stop.extend(args.stop)
+    req.stop_token_ids.extend(args.stop_token_id)
+
+    from google.protobuf import json_format
+
+    stub = pb.GenerationStub(channel)
+    t0 = time.perf_counter()
+    first = None
+    last = None
+    out = sys.stdout
+    for r in stub.Generate(req, timeout=args.timeout):
+        if first is None and r.token_ids:
+            first = time.perf_counter()
+        if args.json:
+            out.write(json.dumps(json_format.MessageToDict(r, preserving_proto_field_name=True)) + "\n")
+        elif args.ids:
+            if r.token_ids:
+                out.write(" ".join(map(str, r.token_ids)) + " ")
+        else:
+            out.write(r.text)
+        out.flush()
+        last = r
+    if not args.json:
+        out.write("\n")
+        out.flush()
+    if last is not None and not args.quiet:
+        u = last.usage
+        ttft = f"{first - t0:.3f} s" if first is not None else "-"
+        print(f"request {last.request_id}: {pb.FinishReason.Name(last.finish_reason).removeprefix('FINISH_REASON_').lower()}; "
+              f"prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), generated {u.completion_tokens}; "
+              f"first token {ttft}, total {time.perf_counter() - t0:.3f} s", file=sys.stderr)
+    return 0
+
+
+def _health(args, channel) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=min(args.timeout, 10.0)).status
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        except grpc.RpcError as e:
+            if time.monotonic() >= deadline:
+                raise
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            name = None
+        if name == "SERVING" or time.monotonic() >= deadline:
+            if name is not None:
+                print(name)
+            return 0 if name == "SERVING" else 1
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def _info(args, channel) -> int:
+    from google.protobuf import json_format
+
+    from serve import pb
+
+    info = pb.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(check_invariants=args.check_invariants),
+                                                   timeout=args.timeout)
+    d = json_format.MessageToDict(info, preserving_proto_field_name=True)
+    if d.get("config", {}).get("config_json"):
+        d["config"]["config_json"] = json.loads(d["config"]["config_json"])
+    print(json.dumps(d, indent=2))
+    return 0
+
+
+def _abort(args, channel) -> int:
+    from serve import pb
+
+    found = pb.GenerationStub(channel).Abort(pb.AbortRequest(request_id=args.request_id), timeout=args.timeout).found
+    print("aborted" if found else "not found (unknown or already finished)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        sys.stdout.reconfigure(errors="replace")
+    except (AttributeError, ValueError):
+        pass
+    try:
+        if not (args.timeout > 0 and math.isfinite(args.timeout)):
+            raise UserError(f"--timeout must be a positive number, got {args.timeout}")
+        if args.max_message_bytes < 1:
+            raise UserError(f"--max-message-bytes must be >= 1, got {args.max_message_bytes}")
+        channel = connect(args.target, args.api_key, args.max_message_bytes)
+        try:
+            return {"generate": _generate, "health": _health, "info": _info, "abort": _abort}[args.command](args, channel)
+        finally:
+            channel.close()
+    except grpc.RpcError as e:
+        print(f"k3jax-client {args.command}: error: {_rpc_error(e)}", file=sys.stderr)
+        return _EXIT_USAGE
+    except UserError as e:
+        print(f"k3jax-client {args.command}: error: {e}", file=sys.stderr)
+        return _EXIT_USAGE
+    except ImportError as e:  # e.g. grpcio-health-checking missing
+        print(f"k3jax-client {args.command}: error: {e}", file=sys.stderr)
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
