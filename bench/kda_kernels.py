@@ -8,7 +8,9 @@ are drawn once in torch (bf16 q/k/v/beta, f32 g and state, K = V = 128) and shar
 through DLPack. fla is timed with `triton.testing.do_bench` (median, L2 flushed before each
 call); ours by timing R calls unrolled inside one jit (the state pool threaded through, donated,
 in place) and taking the median over repeats, so both are device-time figures. Decode uses a
-pool of distinct slots per step so the state stream never sits in L2. Writes JSON rows
+pool of distinct slots per step so the state stream never sits in L2. verify_fold rows (fla has no
+such op) time one KDA layer's speculative block three ways: Mosaic GPU verify + fold, verify with
+per-step snapshots + commit, and the jnp references (`bench_verify_fold`). Writes JSON rows
 {"op", "shape", "ours_ms", "fla_ms", "bandwidth_frac", ...} with commit, JAX version and device.
 """
 
@@ -94,6 +96,105 @@ def prep_breakdown(jin, B, T, H, R):
     return out
 
 
+def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
+    """One KDA layer's speculative block of T = gamma + 1 tokens for N sequences, on a pool of slot
+    sets (so the states stream from HBM), three ways, each R steps inside one jit:
+    - fold: Mosaic GPU verify (reads the committed state, writes o; the capture is the f32 inputs)
+      then the fold kernel (replays the first n_keep steps in place on the pool);
+    - snapshots: Mosaic GPU verify that also writes the state after every step ([N, HV, T, K, V]
+      scratch), then the commit (XLA: gather the n_keep-th snapshot, scatter it into the pool);
+    - xla: the jnp references (`spec.kda_verify` + `spec.kda_fold` on gathered states, scatter back).
+    ours_ms = fold; bandwidth_frac = the fold path's state bytes (3 x K x V x 4 per head: verify
+    read, fold read + write) over its time, against the copy bandwidth."""
+    from pallas_kernels.kda import spec_kernels as sk
+    from pallas_kernels.kda.ref import _prep
+    from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify, replay_bytes, snapshot_bytes
+
+    K = V = 128
+    T = gamma + 1
+    q, k, v, g, beta = (t2j(x) for x in inputs(N, T, H))
+    per_slot = H * K * V * 4
+    sets = max(4, -(-320 * 2**20 // (N * per_slot)))
+    NS = N * sets
+    slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
+    n_keep = jax.random.randint(jax.random.key(1), (N,), 0, T + 1).astype(jnp.int32)
+    zeros = jnp.zeros((N,), jnp.int32)
+
+    def fold_step(pool, i):
+        sl = slot_sets[i % sets]
+        qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, None)
+        o = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros)
+        cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
+        return o, sk.fold_pool(pool, sl, cap, n_keep)
+
+    def snap_step(pool, i):
+        sl = slot_sets[i % sets]
+        qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, None)
+        o, snaps = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros, snapshots=True)
+        pick = snaps[jnp.arange(N), :, jnp.maximum(n_keep - 1, 0)]  # [N, HV, K, V]
+        S = jnp.where((n_keep > 0)[:, None, None, None], pick, pool[sl, 0])
+        return o, pool.at[sl, 0].set(S)
+
+    def xla_step(pool, i):
+        sl = slot_sets[i % sets]
+        o, cap = kda_verify(q, k, v, g, beta, pool[sl, 0])
+        S = kda_fold(pool[sl], Capture(*(x[:, None] for x in (cap.k, cap.v, cap.g, cap.beta))), n_keep)
+        return o, pool.at[sl].set(S)
+
+    out = {"n_keep_mean": float(jnp.mean(n_keep)),
+           "scratch_bytes_fold": N * H * replay_bytes(K, V, gamma),
+           "scratch_bytes_snapshots": N * H * snapshot_bytes(K, V, gamma)}
+    pool0 = jax.random.normal(jax.random.key(0), (NS, 1, H, K, V), jnp.float32) * 0.01
+    # correctness of the two kernel paths against the XLA path, one step from the same pool
+    ref_o, ref_p = jax.jit(lambda p: xla_step(p, 0))(pool0)
+    for name, f in (("fold", fold_step), ("snapshots", snap_step)):
+        o, p = jax.jit(lambda p: f(p, 0))(pool0)
+        out[f"rel_err_o_{name}_vs_xla"] = rel(o, ref_o)
+        out[f"rel_err_state_{name}_vs_xla"] = rel(p[:N], ref_p[:N])
+    del ref_o, ref_p
+    times = {}
+    for name, f in (("fold", fold_step), ("snapshots", snap_step), ("xla", xla_step)):
+        def steps(pool, f=f):
+            for i in range(R):
+                o, pool = f(pool, i)
+            return o, pool
+
+        steps = jax.jit(steps, donate_argnums=0)
+        box = {"pool": pool0 + 0}
+
+        def run():
+            o, box["pool"] = steps(box["pool"])
+            return (o, box["pool"]), R
+
+        times[name] = jax_ms(run)
+        box = None
+    # the two kernels of the fold path alone
+    qf, kf, vf, gf, bf = jax.jit(lambda: _prep(q, k, v, g, beta, None))()
+    ver = jax.jit(lambda p: [sk.verify_mgpu(qf, kf, vf, gf, bf, p.reshape(-1, K, V), slot_sets[i % sets] * H, zeros)
+                             for i in range(R)])
+    times["verify_only"] = jax_ms(lambda: (ver(pool0), R))
+    cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
+
+    def folds(pool):
+        for i in range(R):
+            pool = sk.fold_pool(pool, slot_sets[i % sets], cap, n_keep)
+        return pool
+
+    folds = jax.jit(folds, donate_argnums=0)
+    box = {"pool": pool0 + 0}
+
+    def run_f():
+        box["pool"] = folds(box["pool"])
+        return box["pool"], R
+
+    times["fold_only"] = jax_ms(run_f)
+    state_bytes = 3 * N * H * K * V * 4
+    out.update(ours_ms=times["fold"], fla_ms=None, bandwidth_frac=state_bytes / (times["fold"] * 1e-3) / 1e9 / copy_gbps,
+               snapshots_ms=times["snapshots"], xla_ms=times["xla"], verify_only_ms=times["verify_only"],
+               fold_only_ms=times["fold_only"], speedup_vs_snapshots=times["snapshots"] / times["fold"])
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/kda_h200.json")
@@ -101,10 +202,13 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, nargs="*", default=[12, 96])
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
-    ap.add_argument("--variant-batch", type=int, default=256,
-                    help="decode batch at which the variants (scatter api, vt=128) are timed too")
+    ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
+                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128) are timed too")
     ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
+                    help="verify + fold shapes, batch x heads")
+    ap.add_argument("--gamma", type=int, default=7, help="draft tokens per verify block (T = gamma + 1)")
     args = ap.parse_args(argv)
 
     import torch
@@ -158,7 +262,8 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            variants = [(None, 64)] + ([("scatter", 64), (None, 128)] if N == args.variant_batch else [])
+            variants = [(None, 64, True)] + ([(None, 64, False), ("scatter", 64, True), (None, 128, True)]
+                                              if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
@@ -169,10 +274,10 @@ def main(argv=None):
                     o_fla, ht_fla = f()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt in variants:
+            for api, vt, xla_casts in variants:
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
-                       "variant": {"api": api or ("pallas_call" if mgpu._pallas_call_available() else "scatter"),
-                                   "vt": vt}}
+                       "variant": {"api": api or mgpu.default_decode_api(),
+                                   "vt": vt, "version": "v1 (XLA casts)" if xla_casts else "v2"}}
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -187,7 +292,7 @@ def main(argv=None):
                     no_reset = jnp.zeros((N,), bool)
                     R = 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api)
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
@@ -218,6 +323,18 @@ def main(argv=None):
                 emit(row)
             del q, k, v, g, beta, h0, o_fla, ht_fla
             torch.cuda.empty_cache()
+
+    # ---- speculative verify (gamma = 7) + fold vs verify with per-step snapshots ----
+    for spec in args.verify:
+        N, H = map(int, spec.split("x"))
+        row = {"op": "verify_fold", "shape": {"batch": N, "heads": H, "gamma": args.gamma, "layers": 1, "K": 128, "V": 128}}
+        try:
+            row.update(bench_verify_fold(inputs, N, H, args.gamma, copy_gbps))
+        except Exception as e:
+            row["error"] = repr(e)[:600]
+            traceback.print_exc()
+        emit(row)
+        torch.cuda.empty_cache()
 
     # ---- prefill ----
     for spec in args.prefill:
@@ -268,10 +385,16 @@ def main(argv=None):
     for r in rows:
         sh = "x".join(f"{v}" for v in r["shape"].values())
         if "variant" in r:
-            sh += f" {r['variant']['api'][:7]}/{r['variant']['vt']}"
+            sh += f" {r['variant']['api'][:7]}/{r['variant']['vt']}/{r['variant']['version'][:2]}"
         f = lambda x, fmt="{:8.4f}": "    -   " if x is None else fmt.format(x)
         print(f"{r['op']:8} {sh:28} {f(r.get('ours_ms'))} {f(r.get('fla_ms'))} {f(r.get('bandwidth_frac'), '{:7.3f}')} "
               f"{f(r.get('fla_bandwidth_frac'), '{:7.3f}')} {r.get('rel_err_o_vs_fla', r.get('error', ''))}")
+    for r in rows:
+        if r["op"] == "verify_fold" and "ours_ms" in r:
+            print(f"verify_fold {r['shape']['batch']}x{r['shape']['heads']}: fold {r['ours_ms']:.4f} ms, snapshots "
+                  f"{r['snapshots_ms']:.4f} ms, xla {r['xla_ms']:.4f} ms (verify {r['verify_only_ms']:.4f} + fold "
+                  f"{r['fold_only_ms']:.4f}); scratch {r['scratch_bytes_fold'] / 2**20:.1f} vs "
+                  f"{r['scratch_bytes_snapshots'] / 2**20:.1f} MiB; err {r['rel_err_state_fold_vs_xla']:.2e}")
     print(f"copy {copy_gbps:.0f} GB/s")
 
 

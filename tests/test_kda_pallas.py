@@ -123,8 +123,8 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     sd = jax.ShapeDtypeStruct
     N, H, HV, K, V = 4, 2, 4, 128, 128
     bf = jnp.bfloat16
-    apis = ["scatter"] + (["pallas_call"] if mgpu._pallas_call_available() else [])
-    for api in apis:  # JAX 0.11 has no pl.pallas_call for Mosaic GPU: "scatter" is what runs there
+    apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
+    for api in apis:
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
@@ -133,4 +133,85 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     ch = functools.partial(mgpu.chunk, scale=K**-0.5)
     e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf), sd((1, T, HV, K), jnp.float32),
                      sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
+    assert "mosaic_gpu" in e.mlir_module()
+
+
+# ---- speculative verify-with-capture and the ReplaySSM fold -------------------------------------
+
+
+def _spec_inputs(rng, N, T, H, HV, K, V):
+    q, k, v, g, beta = inputs(rng, (N, T), H, HV, K, V)
+    S0 = jnp.asarray(rng.normal(size=(N, HV, K, V)), jnp.float32)
+    return q, k, v, g, beta, S0
+
+
+def test_verify_matches_reference():
+    from pallas_kernels.kda.spec import kda_verify
+
+    rng = np.random.default_rng()
+    q, k, v, g, beta, S0 = _spec_inputs(rng, 2, 4, 1, 2, 16, 8)
+    o_r, cap_r = kda_verify(q, k, v, g, beta, S0, scale=0.3)
+    o, cap = jax.jit(functools.partial(kda_verify, scale=0.3, impl=IMPL))(q, k, v, g, beta, S0)
+    close(o, o_r)
+    for a, b in zip(jax.tree_util.tree_leaves(cap), jax.tree_util.tree_leaves(cap_r)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the capture is the prepped input
+
+
+def test_fold_all_layers_matches_reference_with_snapshot():
+    """[N, L, ...] layers in one launch; n_keep from 0 to T; snap_at inside, at and past n_keep."""
+    from pallas_kernels.kda.spec import Capture, kda_fold
+
+    rng = np.random.default_rng()
+    N, L, T, HV, K, V = 4, 2, 3, 2, 16, 8
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    S0 = f(N, L, HV, K, V)
+    kk = jnp.asarray(l2(rng.normal(size=(N, L, T, HV, K))), jnp.float32)
+    cap = Capture(k=kk, v=f(N, L, T, HV, V), g=-jnp.abs(f(N, L, T, HV, K)), beta=jax.nn.sigmoid(f(N, L, T, HV)))
+    n_keep = jnp.array([0, 3, 1, 2], jnp.int32)
+    snap_at = jnp.array([0, 2, 1, 3], jnp.int32)
+    S_r, Ss_r = kda_fold(S0, cap, n_keep, snap_at)
+    S, Ss = jax.jit(functools.partial(kda_fold, impl=IMPL))(S0, cap, n_keep, snap_at)
+    close(S, S_r)
+    close(Ss, Ss_r)
+    close(jax.jit(functools.partial(kda_fold, impl=IMPL))(S0, cap, n_keep), S_r)
+
+
+def test_fold_pool_in_place_by_slot():
+    from pallas_kernels.kda.spec import Capture, kda_fold
+    from pallas_kernels.kda.spec_kernels import fold_pool
+
+    rng = np.random.default_rng()
+    NS, N, L, T, HV, K, V = 7, 2, 2, 2, 2, 16, 8
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    pool = np.asarray(f(NS, L, HV, K, V))
+    slots, dst = jnp.array([5, 2]), jnp.array([1, 0])
+    cap = Capture(k=f(N, L, T, HV, K) * 0.3, v=f(N, L, T, HV, V), g=-jnp.abs(f(N, L, T, HV, K)),
+                  beta=jax.nn.sigmoid(f(N, L, T, HV)))
+    n_keep, snap_at = jnp.array([2, 1]), jnp.array([1, 1])
+    new = jax.jit(functools.partial(fold_pool, impl=IMPL), donate_argnums=0)(
+        jnp.asarray(pool), slots, cap, n_keep, snap_at, dst)
+    new = np.asarray(new)
+    S_r, Ss_r = kda_fold(jnp.asarray(pool)[slots], cap, n_keep, snap_at)
+    close(new[np.asarray(slots)], S_r)
+    close(new[np.asarray(dst)], Ss_r)
+    untouched = [3, 4, 6]
+    np.testing.assert_array_equal(new[untouched], pool[untouched])
+
+
+def test_spec_mosaic_gpu_kernels_lower_for_cuda():
+    from pallas_kernels.kda import spec_kernels as sk
+
+    sd = jax.ShapeDtypeStruct
+    N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
+    f = jnp.float32
+    vec = lambda X: sd((N, T, HV, X), f)
+    for snaps in (False, True):
+        ver = functools.partial(sk.verify_mgpu, snapshots=snaps)
+        e = _export_cuda(ver, vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f),
+                         sd((N,), jnp.int32), sd((N,), jnp.int32))
+        assert "mosaic_gpu" in e.mlir_module()
+    R = N * L
+    cv = lambda X: sd((R, T, HV, X), f)
+    i = sd((R,), jnp.int32)
+    e = _export_cuda(sk.fold_mgpu, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
     assert "mosaic_gpu" in e.mlir_module()

@@ -1,19 +1,18 @@
 """KDA kernels in Pallas Mosaic GPU (`plgpu`) for the H100/H200 (sm_90): `impl="pallas"` on GPU.
 
-Status (see bench/NOTES.md): `chunk` is checked and measured on the H200 (JAX 0.11.2);
-`decode` lowers on JAX 0.10 (CPU export) but has not yet run on the H200: in the measured
-version it failed to lower there (Warpgroup is the default lowering semantics on 0.11.2; the
-kernel now asks for Lane semantics explicitly).
+Status (see bench/NOTES.md): `chunk` and `decode` are checked and measured on the H200 (JAX
+0.11.2). `decode` is written for Lane semantics (0.11.2 defaults to Warpgroup) and updates the
+pool in place through a JAX Ref on 0.11.2 (`pl.pallas_call` with an alias on 0.10).
 
 Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile). It
 TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
 vectors into shared memory, holds the tile in registers in the WGMMA layout, does the
 gated delta step in f32 (the two reductions over K are cross-warp reductions), and TMA-stores
-the tile. With `pl.pallas_call` (JAX <= 0.10) the pool is aliased input -> output, so the update
-is in place and untouched slots are never read or written (2 x 4 x K x V bytes per head). JAX
-0.11.2 has no `pl.pallas_call` lowering for Mosaic GPU, so there the kernel (`plgpu.kernel`)
-writes the new states to a fresh array that XLA scatters into the pool (twice the traffic)
-until the in-place form through a JAX Ref is done.
+the tile. The pool is aliased input -> output, so the update is in place and untouched slots are
+never read or written (2 x 4 x K x V bytes per head): with `pl.pallas_call` on JAX <= 0.10, and on
+JAX 0.11.2 (no `pl.pallas_call` lowering for Mosaic GPU) by passing the pool to `plgpu.kernel` as
+a JAX Ref, which Pallas discharges into an input/output alias (`api="ref"`). `api="scatter"`
+(a fresh array that XLA scatters into the pool) remains for comparison: 1.7-1.8x slower.
 
 Chunked prefill (`chunk`): the state-independent part of each chunk (w, u0, Aqk, q exp G,
 k exp(G_C - G), exp G_C) is computed by XLA in matmul form (`prep.chunk_prep`); the sequential
@@ -82,14 +81,25 @@ def _pallas_call_available() -> bool:
         return _pcr is not None
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None):
+def default_decode_api() -> str:
+    """In-place form this JAX lowers: `pl.pallas_call` with aliasing (JAX <= 0.10) or the pool as a
+    JAX Ref passed to `plgpu.kernel` (JAX >= 0.11, which has no Mosaic GPU `pl.pallas_call`)."""
+    return "pallas_call" if _pallas_call_available() else "ref"
+
+
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
-    api: "pallas_call" (`pl.pallas_call` with input_output_aliases: the pool is updated in place)
-    or "scatter" (`plgpu.kernel` writes the new states to a fresh [N, HV, K, V] array that XLA
-    scatters into the pool: twice the state traffic). Default: "pallas_call" where this JAX
-    lowers it, else "scatter"."""
+    api: "pallas_call" (`pl.pallas_call` with input_output_aliases: the pool is updated in place;
+    JAX <= 0.10), "ref" (`plgpu.kernel` with the pool passed as a JAX Ref, which Pallas discharges
+    into an input/output alias: in place; JAX >= 0.11) or "scatter" (`plgpu.kernel` writes the
+    new states to a fresh [N, HV, K, V] array that XLA scatters into the pool: twice the state
+    traffic). Default: `default_decode_api()`.
+
+    xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
+    kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
+    v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md)."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
@@ -97,32 +107,34 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     vt = min(vt, V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
-    api = api or ("pallas_call" if _pallas_call_available() else "scatter")
-    q = q.astype(jnp.float32) * scale
-    k = k.astype(jnp.float32)
-    v = v.astype(jnp.float32)
-    g = g.astype(jnp.float32)
-    beta = beta.astype(jnp.float32)
+    api = api or default_decode_api()
+    if xla_casts:  # v1: f32 inputs made by XLA (one small fusion launch per input and step)
+        q = q.astype(jnp.float32) * scale
+        k, v, g, beta = (x.astype(jnp.float32) for x in (k, v, g, beta))
+        scale = 1.0
+    f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref,
-             s_smem, vec_smem, v_smem, o_smem, bar):
+             s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar):
         hq = h // G
         row = (slot_ref[n] * L + layer) * HV + h
         tile = src_ref.at[row, :, pl.ds(v0, vt)]
         dst = tile if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
         plgpu.copy_gmem_to_smem(tile, s_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(q_ref.at[n, hq], vec_smem.at[0], bar.at[0])
-        plgpu.copy_gmem_to_smem(k_ref.at[n, hq], vec_smem.at[1], bar.at[0])
-        plgpu.copy_gmem_to_smem(g_ref.at[n, h], vec_smem.at[2], bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[n, hq], q_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(k_ref.at[n, hq], k_smem, bar.at[0])
+        plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem, bar.at[0])
         plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem, bar.at[0])
-        bt = b_ref[n, h]
+        bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
         plgpu.barrier_wait(bar.at[0])
-        qv = plgpu.load(vec_smem.at[0], (), layout=ROW)
-        kv = plgpu.load(vec_smem.at[1], (), layout=ROW)
-        ev = jnp.exp(plgpu.load(vec_smem.at[2], (), layout=ROW))
-        vv = plgpu.load(v_smem, (), layout=COL)
+        qv = plgpu.load(q_smem, (), layout=ROW).astype(f32)
+        if scale != 1.0:
+            qv = qv * scale
+        kv = plgpu.load(k_smem, (), layout=ROW).astype(f32)
+        ev = jnp.exp(plgpu.load(g_smem, (), layout=ROW).astype(f32))
+        vv = plgpu.load(v_smem, (), layout=COL).astype(f32)
         S = plgpu.load(s_smem, (), layout=WGMMA)
         S = jnp.where(rs != 0, 0.0, S)
         shape = (K, vt)
@@ -141,13 +153,28 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
 
     scratch = [
         plgpu.SMEM((K, vt), jnp.float32, **_f32_tiled()),
-        plgpu.SMEM((3, K), jnp.float32),
-        plgpu.SMEM((vt,), jnp.float32),
+        plgpu.SMEM((K,), q.dtype),
+        plgpu.SMEM((K,), k.dtype),
+        plgpu.SMEM((K,), g.dtype),
+        plgpu.SMEM((vt,), v.dtype),
         plgpu.SMEM((vt,), jnp.float32),
         plgpu.Barrier(num_arrivals=5, num_barriers=1),
     ]
     o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
     ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
+    if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
+        pool_ref = jax.new_ref(pool3)
+
+        def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_r, o_ref, *scr):
+            n, h = lax.axis_index("seq"), lax.axis_index("head")
+            v0 = lax.axis_index("vtile") * vt
+            step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, pool_r, None, *scr)
+
+        o = plgpu.kernel(
+            body, out_type=o_type, grid=(N, HV, V // vt), grid_names=("seq", "head", "vtile"),
+            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu",
+        )(*ins, pool_ref)
+        return o, pool_ref[...].reshape(pool.shape)
     if api == "scatter":
         def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, new_ref, *scr):
             n, h = lax.axis_index("seq"), lax.axis_index("head")

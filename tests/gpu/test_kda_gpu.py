@@ -21,7 +21,7 @@ if not _gpu:
     pytest.skip("needs a GPU (run through the device tool)", allow_module_level=True)
 
 from pallas_kernels.kda import kda_chunk, kda_decode  # noqa: E402
-from pallas_kernels.kda.ref import kda_chunk_varlen_ref, kda_decode_ref  # noqa: E402
+from pallas_kernels.kda.ref import _prep, kda_chunk_varlen_ref, kda_decode_ref  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 bf16 = jnp.bfloat16
@@ -101,3 +101,58 @@ def test_dense_chunk_long():
             *map(f32ref, (q, k, v, g, beta)), h0)
     assert rel_err(o, o_r) < 1e-2
     assert rel_err(ht, ht_r) < 1e-2
+
+
+@pytest.mark.parametrize("N,H,HV", [(1, 12, 12), (64, 4, 8)])
+def test_verify_and_fold(N, H, HV):
+    """Mosaic GPU verify (and its per-step snapshots) and the all-layer fold against the f32 jnp
+    reference; the fold straight on the pool, in place, by slot."""
+    from pallas_kernels.kda import spec_kernels as sk
+    from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify
+
+    T, L = 8, 3
+    key = jax.random.key(np.random.randint(1 << 30))
+    q, k, v, g, beta = make(key, (N, T), H, HV)
+    S0 = jax.random.normal(jax.random.key(5), (N, HV, 128, 128), jnp.float32) * 0.05
+    with jax.default_matmul_precision("highest"):
+        o_r, cap_r = kda_verify(*map(f32ref, (q, k, v, g, beta)), S0)
+    o, cap = jax.jit(functools.partial(kda_verify, impl="pallas"))(q, k, v, g, beta, S0)
+    assert rel_err(o, o_r) < 1e-2
+    for a, b in zip(jax.tree_util.tree_leaves(cap), jax.tree_util.tree_leaves(cap_r)):
+        assert rel_err(a, b) < 1e-6
+    # snapshots: the state after every step, against the fold of the first t+1 steps
+    qf = _prep(q, k, v, g, beta, None)[0]
+    kf, vf, gf, bf = cap.k, cap.v, cap.g, cap.beta
+    base = jnp.arange(N, dtype=jnp.int32) * HV
+    o2, snaps = jax.jit(functools.partial(sk.verify_mgpu, snapshots=True))(
+        qf, kf, vf, gf, bf, S0.reshape(N * HV, 128, 128), base, jnp.zeros((N,), jnp.int32))
+    assert rel_err(o2, o_r) < 1e-2
+    for t in (0, T - 1):
+        with jax.default_matmul_precision("highest"):
+            S_t = kda_fold(S0, cap_r, jnp.full((N,), t + 1))
+        assert rel_err(snaps[:, :, t], S_t) < 1e-2, t
+    # fold over L layers in one launch, with a snapshot
+    capL = Capture(*(jnp.stack([x] * L, axis=1) for x in (cap.k, cap.v, cap.g, cap.beta)))
+    S0L = jax.random.normal(jax.random.key(6), (N, L, HV, 128, 128), jnp.float32) * 0.05
+    n_keep = jnp.arange(N, dtype=jnp.int32) % (T + 1)
+    snap_at = jnp.arange(N, dtype=jnp.int32) % 4
+    with jax.default_matmul_precision("highest"):
+        S_r, Ss_r = kda_fold(S0L, capL, n_keep, snap_at)
+    S, Ss = jax.jit(functools.partial(kda_fold, impl="pallas"))(S0L, capL, n_keep, snap_at)
+    assert rel_err(S, S_r) < 1e-2
+    assert rel_err(Ss, Ss_r) < 1e-2
+    # in place on the pool
+    NS = N + 5
+    pool = jax.random.normal(jax.random.key(7), (NS, L, HV, 128, 128), jnp.float32) * 0.05
+    perm = jax.random.permutation(jax.random.key(8), NS)
+    slots, real, sink = perm[:N].astype(jnp.int32), perm[N], perm[N + 1]
+    dst = jnp.where(jnp.arange(N) == 0, real, sink).astype(jnp.int32)  # only row 0 keeps its snapshot
+    snap1 = jnp.where(jnp.arange(N) == 0, jnp.minimum(1, n_keep), 0)
+    pool_np = np.asarray(pool)
+    with jax.default_matmul_precision("highest"):
+        P_r, Ps_r = kda_fold(pool[slots], capL, n_keep, snap1)
+    new = np.asarray(jax.jit(sk.fold_pool, donate_argnums=0)(pool, slots, capL, n_keep, snap1, dst))
+    assert rel_err(new[np.asarray(slots)], P_r) < 1e-2
+    assert rel_err(new[int(real)], Ps_r[0]) < 1e-2
+    untouched = np.setdiff1d(np.arange(NS), np.concatenate([np.asarray(slots), [int(real), int(sink)]]))
+    np.testing.assert_array_equal(new[untouched], pool_np[untouched])

@@ -1,0 +1,242 @@
+"""End-to-end decode of k3-mini on one H200: the Pallas path (`impl="pallas"`: the Mosaic GPU KDA
+decode kernel, in place on the recurrent pool) vs the XLA path (`impl="xla"`), with a breakdown of
+the step's GPU time by layer type from a profile.
+
+    python3 bench/k3_mini_h200.py --out bench/results/k3_mini_h200.json
+
+Random weights (k3jax's `init_params`, seeded) and random recurrent/KV state. Every sequence decodes
+one token with `--context` tokens already in context. Step times come from
+`bench/step_xla.py: measure` (median wall time of the jitted, state-donating `step`, after a warm-up
+call). The breakdown: `jax.profiler.trace` over a few steps; each GPU kernel event carries the HLO
+instruction it ran (`hlo_op`), which is mapped to the `jax.named_scope` of the model code
+(`layer{i}_kda/kda_core`, `layer{i}_mla`, `layer{i}_moe`, `lm_head`, ...) through the op_name metadata
+of the compiled module's HLO; kernel time is summed per layer type and sub-scope and divided by the
+number of profiled steps (so it is device time, not wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bench.step_xla as step_xla  # noqa: E402
+from k3jax.config import preset  # noqa: E402
+from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
+from k3jax.model.forward import step  # noqa: E402
+from k3jax.model.init import init_params  # noqa: E402
+from k3jax.state import init_state  # noqa: E402
+
+
+def random_state(state, seed=0):
+    """Random values in every float leaf of the device state (timing never runs on zeros)."""
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [
+        (jax.random.normal(k, x.shape, jnp.float32) * 0.02).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        for k, x in zip(keys, leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def decode_batch(cfg, B, ctx, ps):
+    """(state, batch) for B sequences decoding one token each with `ctx` tokens in context."""
+    n_pages = -(-(ctx + 1) // ps)
+    state = random_state(init_state(cfg, B + 1, B * n_pages + 1, ps))
+    works = [SeqWork([7], ctx, i + 1, list(range(1 + i * n_pages, 1 + (i + 1) * n_pages))) for i in range(B)]
+    return state, pack_step(works, [], D=B, P=0, NP=0, pages_per_seq=n_pages).batch
+
+
+# ---- profile -> per-scope device time -------------------------------------------------------
+
+_SCOPE = re.compile(r"layer(\d+)_(kda|mla|moe|dense)(?:/(\w+))?")
+
+
+def hlo_scopes(hlo_text):
+    """Instruction name -> op_name of the compiled module (fusions: the op_names of the fused
+    computation they call, the most common layer scope first)."""
+    comp_ops = collections.defaultdict(list)
+    inst_own, inst_calls = {}, {}
+    comp = None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if m and "=" not in line.split("(")[0]:
+            comp = m.group(1)
+            continue
+        m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+        if not m:
+            continue
+        name = m.group(1)
+        op = re.search(r'op_name="([^"]*)"', line)
+        if op:
+            comp_ops[comp].append(op.group(1))
+            inst_own[name] = op.group(1)
+        calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+        if calls:
+            inst_calls[name] = calls
+    out = {}
+    for name in set(inst_own) | set(inst_calls):
+        ops = [inst_own[name]] if name in inst_own else []
+        for c in inst_calls.get(name, []):
+            ops += comp_ops.get(c, [])
+        scoped = [o for o in ops if _SCOPE.search(o) or "lm_head" in o]
+        out[name] = collections.Counter(scoped or ops).most_common(1)[0][0] if ops else ""
+    return out
+
+
+def classify(op_name):
+    m = _SCOPE.search(op_name)
+    if m:
+        return m.group(2), (m.group(3) or "")
+    if "lm_head" in op_name:
+        return "lm_head", ""
+    return "other", ""
+
+
+def _event_op(e, scopes):
+    """The HLO instruction of a GPU kernel event: its kernel name where that names an instruction
+    (XLA:GPU kernels are named after their fusion; under CUDA graphs the event's `hlo_op` is the
+    command buffer, seen on the H200), else `hlo_op`, else the kernel name."""
+    name = e["name"]
+    if name in scopes:
+        return name
+    return (e.get("args") or {}).get("hlo_op") or name
+
+
+def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
+    """Runs `run()` `steps` times under the profiler; -> {layer type: ms per step, ...}."""
+    d = tempfile.mkdtemp(prefix="k3prof")
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(run())
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        tr = json.load(gzip.open(path))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {p for p, n in procs.items() if device in n}
+    scopes = hlo_scopes(hlo_text)
+    # XLA:GPU names a kernel after its HLO instruction with '.' and '-' turned into '_'
+    scopes.update({re.sub(r"[.\-]", "_", k): v for k, v in list(scopes.items())})
+    by_type = collections.defaultdict(float)
+    by_sub = collections.defaultdict(float)
+    by_kernel = collections.defaultdict(float)
+    total = unmatched = 0.0
+    samples = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in gpu_pids or "dur" not in e:
+            continue
+        args = e.get("args") or {}
+        if device == "/host:CPU" and "hlo_op" not in args:  # CPU smoke test: only the XLA thunks
+            continue
+        op = _event_op(e, scopes)
+        dur = e["dur"] / 1e3 / steps  # us -> ms per step
+        total += dur
+        by_kernel[e["name"][:60]] += dur
+        if op not in scopes and "kda" in op:  # Mosaic GPU kernels carry their kernel_name
+            kind, sub = "kda", "kda_core"
+        else:
+            if op not in scopes:
+                unmatched += dur
+            kind, sub = classify(scopes.get(op, ""))
+        if len(samples) < 3:
+            samples.append({"name": e["name"], "args": args})
+        by_type[kind] += dur
+        by_sub[f"{kind}/{sub}" if sub else kind] += dur
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    unmatched_kernels = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
+            op = _event_op(e, scopes)
+            if op not in scopes and "kda" not in op:
+                unmatched_kernels[e["name"][:80]] += e["dur"] / 1e3 / steps
+    return {
+        "method": "jax.profiler perfetto trace: GPU kernel events -> hlo_op -> named_scope (op_name metadata)",
+        "gpu_processes": sorted(procs[p] for p in gpu_pids),
+        "kernel_ms_per_step": total,
+        "unmatched_ms_per_step": unmatched,
+        "by_layer_type_ms": dict(sorted(by_type.items(), key=lambda kv: -kv[1])),
+        "by_scope_ms": dict(sorted(by_sub.items(), key=lambda kv: -kv[1])),
+        "top_kernels_ms": dict(top),
+        "top_unmatched_kernels_ms": dict(unmatched_kernels.most_common(8)),
+        "event_samples": samples,
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="k3-mini")
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument("--impl", nargs="*", default=["pallas", "xla"])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/k3_mini_h200.json")
+    ap.add_argument("--profile-device", default="/device:GPU", help="trace process to read ('/host:CPU' to smoke-test)")
+    args = ap.parse_args(argv)
+
+    cfg = preset(args.model)
+    params = jax.block_until_ready(init_params(cfg, 0))
+    res = {"bench": "k3_mini_decode", "commit": step_xla.commit(), "jax": jax.__version__,
+           "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "model": args.model,
+           "dtype": cfg.dtype, "context": args.context, "page_size": args.page_size,
+           "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for B in args.batch:
+        for impl in args.impl:
+            row = {"batch": B, "impl": impl}
+            try:
+                state, batch = decode_batch(cfg, B, args.context, args.page_size)
+                batch = jax.device_put(batch)
+                t = time.perf_counter()  # one compile, used by the timing and by the profile
+                compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
+                row["compile_s"] = round(time.perf_counter() - t, 2)
+                step_xla.step = lambda p, s, b, c: compiled(p, s, b)  # what measure() calls
+                _, med = step_xla.measure(params, cfg, state, batch, args.iters)
+                row.update(step_ms=med * 1e3, tokens_per_s=B / med)
+                try:
+                    box = {"s": decode_batch(cfg, B, args.context, args.page_size)[0]}  # measure() donated the first
+
+                    def run():
+                        out, box["s"] = compiled(params, box["s"], batch)
+                        return out
+
+                    jax.block_until_ready(run())
+                    row["profile"] = profile_breakdown(run, compiled.as_text(), args.profile_steps, args.profile_device)
+                except Exception as e:  # the step times stand without the breakdown
+                    row["profile_error"] = repr(e)[:400]
+                    traceback.print_exc()
+            except Exception as e:
+                row["error"] = repr(e)[:600]
+                traceback.print_exc()
+            res["results"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+            with open(args.out, "w") as fh:
+                json.dump(res, fh, indent=1)
+    print(f"\n{'batch':>5} {'impl':7} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other   (device ms/step)")
+    for r in res["results"]:
+        p = r.get("profile", {}).get("by_layer_type_ms", {})
+        g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
+        print(f"{r['batch']:5} {r['impl']:7} {r.get('step_ms', float('nan')):8.3f} {r.get('tokens_per_s', float('nan')):9.0f} "
+              f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")
+
+
+if __name__ == "__main__":
+    main()
