@@ -8,6 +8,7 @@ to stderr and exit with status 2; progress goes through `logging` to stderr, gen
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import sys
@@ -54,6 +55,15 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per MLA KV-cache page (default: %(default)s)")
     g.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens processed per prefill step (default: %(default)s)")
+    g.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="run sharded on a device mesh, e.g. tp=2, tp=4,ep=2 or dp=2,tp=2 (axes dp, tp, ep; on CPU "
+                        "set XLA_FLAGS=--xla_force_host_platform_device_count=N for N host devices; default: one device)")
+    g.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding: 'ngram' drafts from earlier occurrences of the context's last "
+                        "tokens (prompt lookup), verified in blocks by the model; greedy output is unchanged "
+                        "(runs through the engine; default: off)")
+    g.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
+                   help="drafts per verify block with --speculative (default: %(default)s)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to the prompt (default: off)")
     g.add_argument("--show-special", action="store_true",
                    help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
@@ -73,18 +83,19 @@ def _generate(args) -> int:
         raise UserError(str(e)) from None
     if not args.prompt:
         raise UserError("--prompt is empty")
+    if not 1 <= args.num_draft_tokens <= 16:
+        raise UserError(f"--num-draft-tokens must be in [1, 16], got {args.num_draft_tokens}")
     for flag, v in (("--page-size", args.page_size), ("--prefill-chunk", args.prefill_chunk)):
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
 
     import k3jax.api
-    from k3jax.engine.simple import generate_stream
     from k3jax.tokenizer import IncrementalDecoder
 
     t0 = time.perf_counter()
-    log.info("loading model %s", args.model)
+    log.info("loading model %s%s", args.model, f" on mesh {args.mesh}" if args.mesh else "")
     try:
-        model = k3jax.api.load_model(args.model)
+        model = k3jax.api.load_model(args.model, mesh=args.mesh)
         sampling.validate(model.config.vocab_size)
         prompt_ids = model.tokenizer.encode(args.prompt, add_bos=args.add_bos)
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
@@ -99,8 +110,7 @@ def _generate(args) -> int:
     t_start = time.perf_counter()
     times: list[float] = []
     try:
-        for tok in generate_stream(model, prompt_ids, sampling, page_size=args.page_size,
-                                   prefill_chunk=args.prefill_chunk, warmup=True, stats=stats):
+        for tok in _token_stream(args, model, prompt_ids, sampling, stats):
             times.append(time.perf_counter())
             out.write(detok.push(tok))
             out.flush()
@@ -111,6 +121,31 @@ def _generate(args) -> int:
     if not args.quiet:
         _summary(stats, times, t_start, load_s)
     return 0
+
+
+def _token_stream(args, model, prompt_ids, sampling, stats):
+    """Generated token ids: the single-request loop, or the engine with speculative decoding."""
+    from k3jax.engine.simple import generate_stream
+
+    if args.speculative is None:
+        yield from generate_stream(model, prompt_ids, sampling, page_size=args.page_size,
+                                   prefill_chunk=args.prefill_chunk, warmup=True, stats=stats)
+        return
+    from k3jax import LLM
+
+    t = time.perf_counter()
+    llm = LLM(model, mesh=args.mesh, page_size=args.page_size, prefill_chunk=args.prefill_chunk, speculative=args.speculative,
+              num_draft_tokens=args.num_draft_tokens, max_running=1, single_bucket=True, warmup=True,
+              max_seq_len=len(prompt_ids) + sampling.max_new_tokens)
+    stats["warmup_s"], stats["prompt_tokens"] = time.perf_counter() - t, len(prompt_ids)
+    for delta in llm.stream(prompt_ids, sampling):
+        yield from delta.token_ids
+        if delta.finished:
+            stats["finish_reason"] = delta.output.finish_reason
+    st = collections.Counter(llm.stats)
+    if st["spec_blocks"]:
+        log.info("speculative: %d verify steps, %d of %d drafts accepted (%.2f tokens per step)", st["spec_blocks"],
+                 st["spec_accepted"], st["spec_drafted"], (st["spec_blocks"] + st["spec_accepted"]) / st["spec_blocks"])
 
 
 def _raise_user_error(msg: str):

@@ -105,35 +105,100 @@ def request_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     return np.stack([h >> np.uint64(32), h & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32).reshape(-1, 2)
 
 
+def _filtered_sorted(logits, temperature, top_k, top_p):
+    """The sampling distribution's support in sorted order: (order [R, X] most likely first, ties by
+    token id; scaled logits in that order with the tokens outside top-k / top-p at -inf)."""
+    X = logits.shape[-1]
+    t = jnp.maximum(temperature, _MIN_TEMPERATURE)[:, None]
+    scaled = logits / t
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    srt = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(X, dtype=jnp.int32)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, X), X).astype(jnp.int32)
+    keep = rank < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    p = top_p.astype(jnp.float32)[:, None]
+    keep &= (mass_before < p) | (p >= 1.0)
+    keep |= rank == 0
+    return order, jnp.where(keep, srt, -jnp.inf)
+
+
+def _typed_keys(keys):
+    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
+    return keys
+
+
 @jax.jit
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
     """logits f32[R, X], temperature f32[R], top_k i32[R], top_p f32[R], keys (u32[R, 2] raw
     threefry key data or typed keys [R]) -> token ids i32[R]."""
     logits = logits.astype(jnp.float32)
-    R, X = logits.shape
     temperature = temperature.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        keys = jax.random.wrap_key_data(keys.astype(jnp.uint32), impl="threefry2x32")
+    keys = _typed_keys(keys)
 
     def draw():
-        t = jnp.maximum(temperature, _MIN_TEMPERATURE)[:, None]
-        scaled = logits / t
-        order = jnp.argsort(-scaled, axis=-1, stable=True)  # most likely first; ties by token id
-        srt = jnp.take_along_axis(scaled, order, axis=-1)
-        rank = jnp.arange(X, dtype=jnp.int32)[None, :]
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, X), X).astype(jnp.int32)
-        keep = rank < k[:, None]
-        probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        p = top_p.astype(jnp.float32)[:, None]
-        keep &= (mass_before < p) | (p >= 1.0)
-        keep |= rank == 0
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, srt, -jnp.inf))
+        order, masked = _filtered_sorted(logits, temperature, top_k, top_p)
+        choice = jax.vmap(jax.random.categorical)(keys, masked)
         tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
 
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, draw)
+
+
+def target_logprobs(logits, temperature, top_k, top_p) -> jax.Array:
+    """log of the distribution `sample` draws from, in vocabulary order (f32[R, X], -inf outside
+    the top-k / top-p support)."""
+    order, masked = _filtered_sorted(logits.astype(jnp.float32), temperature.astype(jnp.float32), top_k, top_p)
+    return jax.nn.log_softmax(jnp.take_along_axis(masked, jnp.argsort(order, axis=-1), axis=-1), axis=-1)
+
+
+def spec_accept(logits, block, n_draft, temperature, top_k, top_p, keys):
+    """Lossless acceptance of draft blocks (speculative decoding with a deterministic drafter).
+
+    logits f32[D, B, X] at the block's B tokens; block i32[D, B] (the last sampled token, then
+    drafts); n_draft i32[D] real drafts per row (<= B-1); temperature / top_k / top_p [D]; keys
+    u32[D, B, 2] (position j: the key of the request's j-th token of this step).
+    Returns (n_emit i32[D] in [1, n_draft+1], tokens i32[D, B]: the first n_emit are the output).
+
+    Greedy rows accept drafts while they equal the target's argmax, then emit the argmax: exactly
+    the non-speculative tokens. Sampled rows accept draft d with probability p(d) (the drafter's
+    proposal is a point mass, so min(1, p/q) = p(d)); at the first rejection they sample from the
+    target with d removed and renormalised, and after a fully accepted block from the target itself:
+    the output is distributed exactly as sampling the target token by token."""
+    D, B, X = logits.shape
+    logits = logits.astype(jnp.float32)
+    drafts = block[:, 1:]
+    valid = jnp.arange(B - 1)[None, :] < n_draft[:, None]
+    count = lambda ok: jnp.sum(jnp.cumprod(ok & valid, axis=1), axis=1).astype(jnp.int32)
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [D, B]
+    a_greedy = count(drafts == target[:, :-1])
+    temperature = temperature.astype(jnp.float32)
+
+    def sampled():
+        rep = lambda a: jnp.repeat(a, B)
+        logp = target_logprobs(logits.reshape(D * B, X), rep(temperature), rep(top_k), rep(top_p)).reshape(D, B, X)
+        k = _typed_keys(keys.reshape(D * B, 2))
+        pair = jax.vmap(lambda kk: jax.random.split(kk, 2))(k)  # [D*B, 2]
+        u = jax.vmap(jax.random.uniform)(pair[:, 0]).reshape(D, B)
+        p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts[..., None], axis=-1)[..., 0])
+        a = count(u[:, :-1] < p_draft)
+        logp_a = jnp.take_along_axis(logp, a[:, None, None], axis=1)[:, 0]  # [D, X]
+        d_next = jnp.take_along_axis(jnp.pad(drafts, ((0, 0), (0, 1)), constant_values=-1), a[:, None], axis=1)
+        rejected = (a < n_draft)[:, None] & (jnp.arange(X)[None, :] == d_next)
+        residual = jnp.where(rejected, -jnp.inf, logp_a)
+        residual = jnp.where(jnp.all(residual == -jnp.inf, axis=-1, keepdims=True), logp_a, residual)
+        key_a = jnp.take_along_axis(pair[:, 1].reshape(D, B), a[:, None], axis=1)[:, 0]
+        bonus = jax.vmap(jax.random.categorical)(key_a, residual).astype(jnp.int32)
+        j = jnp.arange(B)[None, :]
+        toks = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
+        hot = temperature > 0
+        return jnp.where(hot, a, a_greedy), jnp.where(hot[:, None], toks, target)
+
+    a, toks = jax.lax.cond(jnp.all(temperature <= 0), lambda: (a_greedy, target), sampled)
+    return a + 1, toks
 
 
 def sample_batch(logits, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:

@@ -164,3 +164,12 @@ def decode_traffic(cfg: ModelConfig, tp: int, ep: int, act_bytes: int = 2) -> De
         expert_allreduce_per_device=ring(ep * tp, Din * 4),
         logits_allgather_per_device=(tp - 1) / tp * cfg.vocab_size * 4,
     )
+
+
+def spec_window_bytes(K: int, V: int, gamma: int, in_bytes: int = 2) -> dict:
+    """Per request-layer-head memory of a speculative block of gamma+1 tokens: `snapshot` = keeping
+    gamma+1 f32 K x V states (the brute-force rollback), `replay` = ReplaySSM's captured step inputs.
+    Computed from the constants the engine sizes its capture with (`pallas_kernels.kda.spec`)."""
+    from pallas_kernels.kda.spec import replay_bytes, snapshot_bytes
+
+    return {"snapshot": snapshot_bytes(K, V, gamma), "replay": replay_bytes(K, V, gamma, in_bytes)}

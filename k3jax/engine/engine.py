@@ -4,6 +4,7 @@ both over `EngineCore` = scheduler (host decisions) + model runner (device steps
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -17,11 +18,17 @@ from tqdm import tqdm
 
 from k3jax.engine.request import Request, RequestOutput, Status
 from k3jax.engine.runner import Buckets, InFlight, ModelRunner
+from k3jax.cache.unified import UnifiedMemory
 from k3jax.engine.scheduler import Scheduler, SchedulerConfig
+from k3jax.state import UnifiedGeometry
 from k3jax.sampling import SamplingParams, resolve_seed
+from k3jax.spec.drafter import NgramDrafter
 from k3jax.tokenizer import IncrementalDecoder
 
 log = logging.getLogger("k3jax.engine")
+
+
+SPECULATIVE = (None, "ngram")  # [dspark] adds the model drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +37,9 @@ class EngineConfig:
     prefix_cache: bool = True
     overlap: bool = True
     enable_unified_memory: bool = False
-    speculative: str | None = None
-    mesh: str | None = None
+    speculative: object = None  # "ngram" (prompt lookup), or a `k3jax.spec.Drafter`; None: off
+    num_draft_tokens: int = 4  # gamma: drafts per verify block (the block is gamma + 1 tokens)
+    mesh: str | None = None  # "tp=2", "tp=4,ep=2", "dp=2,tp=2" (or a Mesh); None: the model's mesh, if any
     state_slots: int | None = None  # recurrent slots incl. the sink (default: 3 per running request + 8)
     kv_pages: int | None = None  # KV pages incl. the sink (default: every running request at max_seq_len, x1.5)
     max_running: int = 16  # concurrent requests (the largest decode bucket)
@@ -62,12 +70,29 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_seq_len", "max_prefill_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.enable_unified_memory:
-            raise NotImplementedError("enable_unified_memory lands with the [unified-memory] issue")
-        if self.speculative is not None:
-            raise NotImplementedError("speculative decoding lands with the [spec-verify] issue")
-        if self.mesh is not None:
-            raise NotImplementedError("mesh= lands with the [sharding] issue")
+        if self.enable_unified_memory and self.mesh is not None:
+            raise NotImplementedError("enable_unified_memory with a mesh is not supported yet")
+        if isinstance(self.speculative, str) or self.speculative is None:
+            if self.speculative not in SPECULATIVE:
+                raise ValueError(f"speculative must be one of {SPECULATIVE[1:]}, a Drafter or None, "
+                                 f"got {self.speculative!r}")
+        elif not callable(getattr(self.speculative, "propose", None)):
+            raise ValueError("speculative must be a method name or a Drafter (with propose/forget)")
+        if self.speculative is not None and not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if isinstance(self.mesh, str):
+            from sharding.mesh import parse_mesh_spec
+
+            parse_mesh_spec(self.mesh)  # ValueError naming the bad part
+
+
+def _engine_mesh(spec, model_mesh):
+    """The engine's Mesh: `spec` (EngineConfig.mesh) if given, else the mesh the model was loaded on."""
+    if spec is None and model_mesh is None:
+        return None
+    from sharding.mesh import make_mesh
+
+    return make_mesh(spec if spec is not None else model_mesh)
 
 
 class EngineCore:
@@ -81,13 +106,26 @@ class EngineCore:
         pages_per_seq = self.buckets.pages_per_seq
         slots = cfg.state_slots or 3 * cfg.max_running + 8
         pages = cfg.kv_pages or int(1.5 * cfg.max_running * pages_per_seq) + 1
+        self.gamma = cfg.num_draft_tokens if cfg.speculative else 0
+        self.drafter = None
+        if cfg.speculative == "ngram":
+            self.drafter = NgramDrafter()
+        elif cfg.speculative is not None:  # a Drafter object
+            self.drafter = cfg.speculative
+        memory = None
+        if cfg.enable_unified_memory:  # the same bytes as the two pools, as one budget
+            geom = UnifiedGeometry.build(mcfg, 0, cfg.page_size)
+            memory = UnifiedMemory(slots * geom.block_bytes + pages * geom.page_bytes, geom.block_bytes,
+                                   geom.page_bytes, cfg.page_size)
         self.scheduler = Scheduler(SchedulerConfig(
             page_size=cfg.page_size, num_pages=pages, num_slots=slots, max_running=cfg.max_running,
             prefill_budget=cfg.prefill_chunk, max_prefill_seqs=cfg.max_prefill_seqs, prefix_cache=cfg.prefix_cache,
             policy=cfg.checkpoint_policy, max_ckpt_per_path=cfg.max_checkpoints_per_path,
-            eos_token_id=mcfg.eos_token_id))
+            eos_token_id=mcfg.eos_token_id, spec_gamma=self.gamma), memory=memory, drafter=self.drafter)
+        self.mesh = _engine_mesh(cfg.mesh, getattr(model, "mesh", None))
         self.runner = ModelRunner(model, slots=slots, pages=pages, page_size=cfg.page_size, buckets=self.buckets,
-                                  impl=cfg.impl)
+                                  impl=cfg.impl, mesh=self.mesh, ids=(self.scheduler.slots, self.scheduler.pages), memory=memory,
+                                  spec_block=self.gamma + 1)
         self.inflight: InFlight | None = None
         self._ids = itertools.count()
         self.step_count = 0
@@ -181,7 +219,7 @@ class LLM:
         if isinstance(model, str):
             from k3jax.api import load_model
 
-            model = load_model(model, seed=seed)
+            model = load_model(model, seed=seed, mesh=mesh)
         self.model = model
         self.tokenizer = model.tokenizer
         self.config = EngineConfig(page_size=page_size, prefix_cache=prefix_cache, overlap=overlap,
@@ -306,6 +344,13 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run `fn(core)` on the engine thread between steps (a consistent view of the scheduler,
+        e.g. `check_invariants` or memory stats); the future holds its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", (fn, fut)))
+        return fut
+
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
         _, q = self._streams[request_id]
         try:
@@ -358,6 +403,13 @@ class Engine:
                         self.core.abort(arg)
                         for req in self.core.scheduler.drain_finished():
                             self._publish(req)
+                    elif cmd == "call":
+                        fn, fut = arg
+                        if fut.set_running_or_notify_cancel():
+                            try:
+                                fut.set_result(fn(self.core))
+                            except Exception as e:  # noqa: BLE001 (handed to the caller)
+                                fut.set_exception(e)
                     try:
                         cmd, arg = self._cmds.get_nowait()
                     except queue.Empty:

@@ -50,6 +50,7 @@ class Request:
         self.slot: int | None = None  # working slot
         self.extra: int | None = None  # extra-buffer slot (snapshot target), lazily allocated
         self.snap_depth = 0  # depth of the snapshot held in `extra`
+        self.snap_inflight = False  # a dispatched verify block may still write `extra`
         self.pages: list[int] = []  # page table: page ids for positions [0, len(pages) * page_size)
         self.owned: set[int] = set()  # pages of `pages` this request owns (the rest belong to the tree)
         self.lock_node = None  # deepest radix node this request keeps locked

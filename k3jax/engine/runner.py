@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Sequence
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 from k3jax.model.context import StepBatch
 from k3jax.model.forward import forward
 from k3jax.sampling import request_keys, sample
-from k3jax.state import StateOps, init_state, restore_checkpoints, snapshot_slots
+from k3jax.state import StateOps, init_state, init_unified_state, restore_checkpoints, snapshot_slots
 
 if TYPE_CHECKING:
     from k3jax.engine.scheduler import StepPlan
@@ -66,18 +67,20 @@ class PackedStep:
 
 
 def pack_step(decode: Sequence[SeqWork], prefill: Sequence[SeqWork], *, D: int, P: int, NP: int,
-              pages_per_seq: int, R: int | None = None) -> PackedStep:
+              pages_per_seq: int, R: int | None = None, block: int = 1) -> PackedStep:
     """Pad `decode` (one token each) and `prefill` sequences into a StepBatch of the given bucket.
 
     D decode sequences, P prefill tokens, NP prefill sequences, `pages_per_seq` page-table width,
-    R logit rows (default: one per sequence, D + NP).
+    R logit rows (default: one per sequence, D + NP). `block` > 1 (a speculative verify step):
+    decode sequence i takes 1..block tokens in token slots [i*block, (i+1)*block) and gets a logit
+    row for every slot (rows [0, D*block)), then one row per prefill sequence.
     """
     if len(decode) > D:
         raise ValueError(f"{len(decode)} decode sequences exceed bucket {D}")
     if len(prefill) > NP:
         raise ValueError(f"{len(prefill)} prefill sequences exceed bucket {NP}")
-    if any(len(s.tokens) != 1 for s in decode):
-        raise ValueError("a decode sequence takes exactly one token")
+    if any(not 1 <= len(s.tokens) <= block for s in decode):
+        raise ValueError(f"a decode sequence takes 1 to {block} tokens")
     lens = [len(s.tokens) for s in prefill]
     if sum(lens) > P:
         raise ValueError(f"{sum(lens)} prefill tokens exceed bucket {P}")
@@ -85,24 +88,25 @@ def pack_step(decode: Sequence[SeqWork], prefill: Sequence[SeqWork], *, D: int, 
     n_pages = [len(s.pages) for s in seqs]
     if n_pages and max(n_pages) > pages_per_seq:
         raise ValueError(f"a sequence needs {max(n_pages)} pages, the page table holds {pages_per_seq}")
-    T, N = D + P, D + NP
+    Dt = D * block  # decode-segment token slots
+    T, N = Dt + P, D + NP
     nd = len(decode)
     # sequence index of each packed sequence: decode i -> i, prefill j -> D + j
     seq_idx = np.concatenate([np.arange(nd), D + np.arange(len(prefill))]).astype(np.int32)
     cu = np.zeros(NP + 1, np.int32)
     cu[1: len(prefill) + 1] = np.cumsum(lens)
     cu[len(prefill) + 1:] = cu[len(prefill)]
-    first_tok = np.concatenate([np.arange(nd), D + cu[: len(prefill)]]).astype(np.int32)
-    seq_len = np.array([1] * nd + lens, np.int32)
+    first_tok = np.concatenate([np.arange(nd) * block, Dt + cu[: len(prefill)]]).astype(np.int32)
+    seq_len = np.array([len(s.tokens) for s in decode] + lens, np.int32)
     starts = np.array([s.start for s in seqs], np.int32)
 
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     token_seq = np.zeros(T, np.int32)
-    if nd:
-        tokens[:nd] = [s.tokens[0] for s in decode]
+    for i, s in enumerate(decode):
+        tokens[i * block: i * block + len(s.tokens)] = s.tokens
     if prefill:
-        tokens[D: D + cu[len(prefill)]] = [t for s in prefill for t in s.tokens]
+        tokens[Dt: Dt + cu[len(prefill)]] = [t for s in prefill for t in s.tokens]
     owner = np.repeat(np.arange(len(seqs)), seq_len)  # packed sequence of each real token
     tok_idx = np.repeat(first_tok, seq_len) + (np.arange(len(owner)) - np.repeat(np.cumsum(seq_len) - seq_len, seq_len))
     positions[tok_idx] = np.repeat(starts, seq_len) + tok_idx - np.repeat(first_tok, seq_len)
@@ -122,14 +126,23 @@ def pack_step(decode: Sequence[SeqWork], prefill: Sequence[SeqWork], *, D: int, 
         cols = np.arange(sum(n_pages)) - np.repeat(np.cumsum(n_pages) - n_pages, n_pages)
         page_table[rows, cols] = [p for s in seqs for p in s.pages]
 
-    R = N if R is None else R
-    logit_idx = np.zeros(R, np.int32)
-    rows_out: list[list[int]] = []
     nrow = 0
-    if not any(s.all_logits for s in seqs):  # one row per sequence: its last token
-        logit_idx[: len(seqs)] = first_tok + seq_len - 1
-        rows_out = [[i] for i in range(len(seqs))]
+    if block > 1:  # every decode token slot, then each prefill sequence's last token
+        R = Dt + NP
+        logit_idx = np.zeros(R, np.int32)
+        logit_idx[:Dt] = np.arange(Dt)
+        logit_idx[Dt: Dt + len(prefill)] = Dt + cu[1: len(prefill) + 1] - 1
+        rows_out = [list(range(i * block, i * block + len(s.tokens))) for i, s in enumerate(decode)]
+        rows_out += [[Dt + j] for j in range(len(prefill))]
         seqs = []
+    else:
+        R = N if R is None else R
+        logit_idx = np.zeros(R, np.int32)
+        rows_out = []
+        if not any(s.all_logits for s in seqs):  # one row per sequence: its last token
+            logit_idx[: len(seqs)] = first_tok + seq_len - 1
+            rows_out = [[i] for i in range(len(seqs))]
+            seqs = []
     for i, s in enumerate(seqs):
         t0, n = int(first_tok[i]), int(seq_len[i])
         want = range(t0, t0 + n) if s.all_logits else (t0 + n - 1,)
@@ -156,13 +169,16 @@ class SamplingBatch:
     keys: jax.Array  # u32[N, 2] raw threefry key data
 
 
-def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl):
+def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl,
+                 shard=None):
     """Restore checkpoints -> resolve placeholders -> forward -> snapshot -> sample, all on device.
-    Returns (sampled tokens padded to prev_tokens' length, state)."""
+    Returns (sampled tokens padded to prev_tokens' length, state). With a mesh (`shard`, see
+    `sharding.step.ShardedStep`) the slot copies act on whole slots, so they are local to every shard
+    whatever the conv-state channel grouping; the logits and sampled tokens are replicated."""
     tokens = jnp.where(batch.tokens < 0, prev_tokens[jnp.maximum(-batch.tokens - 1, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     state = restore_checkpoints(state, ops, batch.seq_slot)
-    logits, state = forward(params, state, batch, cfg, impl)
+    logits, state = forward(params, state, batch, cfg, impl, shard)
     state = snapshot_slots(state, ops, batch.seq_slot)
     toks = sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.keys)
     return jnp.zeros_like(prev_tokens).at[: toks.shape[0]].set(toks), state
@@ -170,27 +186,79 @@ def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, sa
 
 engine_step = jax.jit(_engine_step, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 
+MOVE_BUCKETS = (8, 64, 512, 4096)  # compaction copies per step are padded to these (one compile each)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _copy_blocks(state, src, dst):
+    return state.copy_blocks(src, dst)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _move_pages(state, src, dst):
+    return state.move_pages(src, dst)
+
+
+def _padded_pairs(pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) arrays padded with (0, 0): the sink block/page copied onto itself is a no-op."""
+    n = Buckets.pick(MOVE_BUCKETS, len(pairs), "compaction moves") if len(pairs) <= MOVE_BUCKETS[-1] else len(pairs)
+    src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    if pairs:
+        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+    return src, dst
+
 
 @dataclasses.dataclass
 class InFlight:
     plan: "StepPlan"
-    tokens: jax.Array  # i32[N_max] on device
+    tokens: jax.Array  # i32[N_max] on device (speculative: i32[N, block + 1], count then tokens)
+    order: np.ndarray | None = None  # speculative: the output row of each plan row
 
     def host(self) -> np.ndarray:
-        return np.asarray(self.tokens)
+        out = np.asarray(self.tokens)
+        return out if self.order is None else out[self.order]
 
 
 class ModelRunner:
     """Owns the parameters and the donated device state; turns a `StepPlan` into one step."""
 
-    def __init__(self, model, *, slots: int, pages: int, page_size: int, buckets: Buckets, impl: str = "xla"):
+    on_launch = None  # hook(packed, ops, samp) before each scheduled step (sharding.lockstep checks lockstep)
+
+    def __init__(self, model, *, slots: int, pages: int, page_size: int, buckets: Buckets, impl: str = "xla",
+                 mesh=None, ids=None, memory=None, spec_block: int = 1):
+        """`ids`: the scheduler's (slot pool, page pool); with unified memory (`memory`, a
+        `k3jax.cache.unified.UnifiedMemory`) they hand out virtual ids that `launch` maps to physical
+        block/page positions, after applying the compaction moves queued since the last step."""
+        if memory is not None and mesh is not None:
+            raise NotImplementedError("unified memory with a mesh is not supported yet")
+        self.spec_block = spec_block  # > 1: every step is a verify step with blocks of this many tokens
         self.model = model
+        self.ids, self.memory = ids, memory
         self.cfg = model.config
         self.buckets = buckets
         self.impl = impl
-        self.state = init_state(self.cfg, slots, pages, page_size)
         self.n_max = buckets.decode[-1] + buckets.max_prefill_seqs
-        self.prev = jnp.zeros((self.n_max,), jnp.int32)
+        self.sharded = None  # with a mesh: the engine step under jit with explicit shardings
+        if mesh is None:
+            self.params = model.params
+            if memory is not None:
+                self.state = init_unified_state(self.cfg, memory.total, page_size)
+            else:
+                self.state = init_state(self.cfg, slots, pages, page_size)
+            self.prev = jnp.zeros((self.n_max,), jnp.int32)
+        else:
+            from sharding.step import make_sharded_step
+
+            if spec_block > 1:
+                from k3jax.spec.step import mesh_step_fn
+
+                fn = mesh_step_fn(spec_block)
+            else:
+                fn = _engine_step
+            self.sharded = make_sharded_step(self.cfg, mesh, impl=impl, fn=fn)
+            self.params = self.sharded.shard_params(model.params)  # no copy when already laid out so
+            self.state = self.sharded.init_state(slots, pages, page_size)
+            self.prev = self.sharded.replicate(np.zeros((self.n_max,), np.int32))
 
     def _shape(self, n_decode: int, n_prefill_tokens: int) -> tuple[int, int, int]:
         if self.buckets.single:
@@ -200,42 +268,90 @@ class ModelRunner:
         P = self.buckets.pick(self.buckets.tokens, n_prefill_tokens, "prefill tokens") if n_prefill_tokens else 0
         return D, P, self.buckets.max_prefill_seqs if P else 0
 
-    def _run(self, packed: PackedStep, ops: StateOps, samp: SamplingBatch) -> jax.Array:
-        tokens, self.state = engine_step(self.model.params, self.state, packed.batch, ops, self.prev, samp,
-                                         self.cfg, self.impl)
+    def _run(self, packed: PackedStep, ops: StateOps, samp: SamplingBatch, snap_at=None) -> jax.Array:
+        if self.spec_block > 1 and self.sharded is not None:
+            out, self.state = self.sharded(self.params, self.state, packed.batch, ops, snap_at, samp)
+            return out
+        if self.spec_block > 1:
+            from k3jax.spec.step import spec_step
+
+            out, self.state = spec_step(self.params, self.state, packed.batch, ops, snap_at, samp, self.cfg,
+                                        self.impl, self.spec_block)
+            return out
+        if self.sharded is not None:
+            tokens, self.state = self.sharded(self.params, self.state, packed.batch, ops, self.prev, samp)
+        else:
+            tokens, self.state = engine_step(self.params, self.state, packed.batch, ops, self.prev, samp,
+                                             self.cfg, self.impl)
         self.prev = tokens
         return tokens
+
+    def _apply_moves(self) -> None:
+        """Queue the compaction copies on the stream before the step that reads the moved blocks
+        (all sources gathered before any destination is written; no host sync)."""
+        moves = self.memory.take_moves()
+        if moves["slot"]:
+            self.state = _copy_blocks(self.state, *_padded_pairs(moves["slot"]))
+        if moves["page"]:
+            self.state = _move_pages(self.state, *_padded_pairs(moves["page"]))
 
     def launch(self, plan: "StepPlan") -> InFlight:
         seqs = plan.decode + plan.prefill
         D, P, NP = self._shape(len(plan.decode), sum(len(s.tokens) for s in plan.prefill))
-        work = lambda s: SeqWork(s.tokens, s.start, s.req.slot, s.req.pages)
+        if self.memory is not None:
+            self._apply_moves()
+            slot_p, page_p = self.ids[0].physical, self.ids[1].physical
+            phys_slot = lambda v: slot_p([v])[0] if v else 0
+            work = lambda s: SeqWork(s.tokens, s.start, phys_slot(s.req.slot), page_p(s.req.pages))
+        else:
+            phys_slot = lambda v: v
+            work = lambda s: SeqWork(s.tokens, s.start, s.req.slot, s.req.pages)
         packed = pack_step([work(s) for s in plan.decode], [work(s) for s in plan.prefill], D=D, P=P, NP=NP,
-                           pages_per_seq=self.buckets.pages_per_seq)
+                           pages_per_seq=self.buckets.pages_per_seq, block=self.spec_block)
         N = D + NP
+        B = self.spec_block
         restore, snap = np.zeros(N, np.int32), np.zeros(N, np.int32)  # per sequence (decode i, prefill D + j)
-        temp, top_p = np.zeros(N, np.float32), np.ones(N, np.float32)  # per logit row (plan order)
-        top_k, keys = np.zeros(N, np.int32), np.zeros((N, 2), np.uint32)
+        R = D * B + NP if B > 1 else N
+        temp, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)  # per logit row
+        top_k, keys = np.zeros(R, np.int32), np.zeros((R, 2), np.uint32)
+        rows, seeds, positions = [], [], []
         for i, s in enumerate(seqs):
             seq = i if i < len(plan.decode) else D + (i - len(plan.decode))
-            restore[seq], snap[seq] = s.restore_src, s.snap_dst
+            restore[seq], snap[seq] = phys_slot(s.restore_src), phys_slot(s.snap_dst)
+            if B == 1:
+                r = [i]
+            else:  # a verify block samples at each of its token slots: the request's next B tokens
+                r = list(range(seq * B, seq * B + B)) if seq < D else [D * B + seq - D]
+            rows += r
+            seeds += [s.req.seed] * len(r)
+            positions += range(s.req.scheduled_samples, s.req.scheduled_samples + len(r))
             sp = s.req.sampling
-            temp[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-        keys[: len(seqs)] = request_keys([s.req.seed for s in seqs], [s.req.scheduled_samples for s in seqs])
+            temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+        if rows:
+            keys[rows] = request_keys(seeds, positions)
         samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys)
-        return InFlight(plan=plan, tokens=self._run(packed, StateOps(restore_src=restore, snap_dst=snap), samp))
+        ops = StateOps(restore_src=restore, snap_dst=snap)
+        if self.on_launch is not None:  # multi-process lockstep: every process must launch the same inputs
+            self.on_launch(packed, ops, samp)
+        if B == 1:
+            return InFlight(plan=plan, tokens=self._run(packed, ops, samp))
+        snap_at = np.zeros(D, np.int32)
+        snap_at[: len(plan.decode)] = [s.snap_at for s in plan.decode]
+        order = np.array(list(range(len(plan.decode))) + [D + j for j in range(len(plan.prefill))], np.int64)
+        return InFlight(plan=plan, tokens=self._run(packed, ops, samp, snap_at), order=order)
 
     def warmup(self, progress=None) -> int:
         """Compile every bucket with padding-only steps (they only touch the sinks)."""
         shapes = self.buckets.shapes()
         for D, P in shapes:
             NP = self.buckets.max_prefill_seqs if P else 0
-            packed = pack_step([], [], D=D, P=P, NP=NP, pages_per_seq=self.buckets.pages_per_seq)
-            N = D + NP
-            z = np.zeros(N, np.int32)
-            samp = SamplingBatch(np.zeros(N, np.float32), z, np.ones(N, np.float32), np.zeros((N, 2), np.uint32))
-            self._run(packed, StateOps(z, z), samp)
+            packed = pack_step([], [], D=D, P=P, NP=NP, pages_per_seq=self.buckets.pages_per_seq,
+                               block=self.spec_block)
+            N, R = D + NP, packed.batch.logit_idx.shape[0]
+            z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
+            samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32))
+            out = self._run(packed, StateOps(z, z), samp, np.zeros(D, np.int32))
             if progress is not None:
                 progress.update()
-        jax.block_until_ready(self.prev)
+        jax.block_until_ready((self.prev, out))
         return len(shapes)

@@ -34,6 +34,7 @@ class SeqPlan:
     restore_src: int = 0  # checkpoint slot to copy into the working slot first (0: none)
     snap_dst: int = 0  # extra-buffer slot that receives the state after this chunk (0: none)
     sample: bool = False  # this row's sampled token becomes an output token
+    snap_at: int = 0  # verify block: snap_dst gets the state after this many block tokens, if accepted
 
 
 @dataclasses.dataclass
@@ -62,6 +63,7 @@ class SchedulerConfig:
     max_ckpt_per_path: int = 4
     max_checkpoints: int | None = None  # total checkpoint budget (LRU beyond it); None: slot pool bound
     eos_token_id: int | None = None
+    spec_gamma: int = 0  # > 0: speculative decoding, blocks of up to spec_gamma drafts per decode step
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -69,10 +71,16 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig):
+    def __init__(self, cfg: SchedulerConfig, memory=None, drafter=None):
+        """`memory`: a `UnifiedMemory` whose facades replace the separate page and slot pools.
+        `drafter` (with cfg.spec_gamma > 0): a `k3jax.spec.Drafter` proposing each verify block."""
         self.cfg = cfg
-        self.pages = PagePool(cfg.num_pages, cfg.page_size)
-        self.slots = SlotPool(cfg.num_slots)
+        self.memory = memory
+        self.drafter = drafter
+        if cfg.spec_gamma and drafter is None:
+            raise ValueError("spec_gamma > 0 needs a drafter")
+        self.pages = memory.pages if memory is not None else PagePool(cfg.num_pages, cfg.page_size)
+        self.slots = memory.slots if memory is not None else SlotPool(cfg.num_slots)
         # baselines for the benchmark: every_chunk keeps every chunk-end checkpoint (no superseding)
         self.tree = RadixTree(cfg.page_size, cfg.max_ckpt_per_path, supersede=cfg.policy != "every_chunk",
                               max_checkpoints=cfg.max_checkpoints) if cfg.prefix_cache else None
@@ -228,12 +236,16 @@ class Scheduler:
         if req.restore is not None:
             self.tree.unpin_ckpt(req.restore[1])
             req.restore = None
-        if self.tree is not None and cache and req.computed >= ps:
-            n = (req.computed // ps) * ps
+        # tokens whose KV is written (a verify block that hit a stop condition keeps fewer tokens
+        # than it computed)
+        done = min(req.computed, len(req.fed))
+        if self.tree is not None and cache and done >= ps:
+            n = (done // ps) * ps
             node, taken = self.tree.insert(req.fed[:n], req.pages[: n // ps])
             req.owned.difference_update(taken)
             self.tree.touch(node)
-            if req.extra is not None and 0 < req.snap_depth <= n and self.cfg.policy in POLICIES:
+            # (a verify block in flight may still overwrite the extra buffer: then it is not donated)
+            if req.extra is not None and 0 < req.snap_depth <= n and not req.snap_inflight:
                 snode, _ = self.tree.insert(req.fed[: req.snap_depth], req.pages[: req.snap_depth // ps])
                 self.slots.free(self.tree.set_checkpoint(snode, req.extra))
                 req.extra = None
@@ -258,6 +270,8 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self._release(req, cache=True)
         req.status, req.finish_reason = Status.FINISHED, reason
+        if self.drafter is not None:
+            self.drafter.forget(req.id)
         req.metrics["finish"] = time.perf_counter()
         self.requests.pop(req.id, None)
         self.finished.append(req)
@@ -277,6 +291,10 @@ class Scheduler:
                 continue  # (a request preempted earlier in this loop is WAITING)
             if len(plan.decode) == self.cfg.max_running:
                 break
+            if self.cfg.spec_gamma:
+                if self._schedule_block(req, plan, planned):
+                    planned.add(req)
+                continue
             if req.computed >= len(req.pages) * ps and not self._grow(req, req.computed + 1, planned, preempt=True):
                 continue  # nothing left to preempt; it waits for memory
             i = req.computed - len(req.prompt)
@@ -326,6 +344,51 @@ class Scheduler:
         self._fresh_ckpts.clear()
         return plan
 
+    def _schedule_block(self, req: Request, plan: StepPlan, planned: set) -> bool:
+        """A verify block for a decoding request: its last sampled token and up to gamma drafts.
+        The request's host view (computed, output) advances when the step's result is processed,
+        so a request with a step in flight waits (with overlap it runs every other step)."""
+        if req.inflight:
+            return False
+        assert req.computed == len(req.fed) - 1, f"{req.id}: a verify block starts at the last sampled token"
+        remaining = req.sampling.max_new_tokens - len(req.output)
+        drafts = self.drafter.propose(req.id, req.fed, min(self.cfg.spec_gamma, remaining - 1))
+        n = 1 + len(drafts)
+        if not self._grow(req, req.computed + n, planned, preempt=True):
+            return False  # nothing left to preempt; it waits for memory
+        # a checkpoint boundary inside the block: snapshot there if the block gets that far
+        b = (req.computed // self.align + 1) * self.align
+        snap_at = b - req.computed if b <= req.computed + n else 0
+        snap = self._snapshot_slot(req) if snap_at else 0
+        plan.decode.append(SeqPlan(req, [req.fed[-1], *drafts], req.computed, snap_dst=snap, sample=True,
+                                   snap_at=snap_at if snap else 0))
+        req.inflight += 1
+        req.snap_inflight = bool(snap)
+        self.stats["spec_drafted"] += len(drafts)
+        return True
+
+    def _process_block(self, sp: SeqPlan, out) -> bool:
+        """Apply a verify block's result (out: [count, tokens...]). Returns whether tokens arrived."""
+        req = sp.req
+        req.snap_inflight = False
+        if req.status is Status.FINISHED or req.aborted:
+            return False
+        n = int(out[0])
+        self.stats["spec_blocks"] += 1
+        self.stats["spec_accepted"] += n - 1
+        self.stats["computed_tokens"] += n
+        req.recomputed += n
+        if req.status is Status.RUNNING:
+            req.computed = sp.start + n
+            if sp.snap_at and n >= sp.snap_at:
+                req.snap_depth = sp.start + sp.snap_at
+                self.stats["spec_block_snapshots"] += 1
+        for tok in out[1: 1 + n]:
+            if self._emit(req, int(tok)):
+                break
+        req.scheduled_samples = len(req.output)
+        return True
+
     def _unadmit(self, req: Request) -> None:
         """Undo an admission that could not get its first chunk's pages."""
         self._release(req, cache=False)
@@ -372,26 +435,36 @@ class Scheduler:
                 req.pending_row = None
             if req.status is Status.FINISHED or req.aborted:
                 continue
-            tok = int(tokens[row])
-            req.output.append(tok)
-            req.metrics.setdefault("first_token", time.perf_counter())
-            if req.detok is not None:
-                req.text += req.detok.push(tok)
+            if self.cfg.spec_gamma and row < len(plan.decode):  # a verify block
+                if self._process_block(sp, tokens[row]):
+                    touched.append(req)
+                continue
+            tok = tokens[row]
+            self._emit(req, int(tok[1] if self.cfg.spec_gamma else tok))
             touched.append(req)
-            reason = None
-            if self.cfg.eos_token_id is not None and tok == self.cfg.eos_token_id:
-                reason = "eos"
-            elif req.sampling.stop_strings and any(s in req.text[-(len(s) + 64):] for s in req.sampling.stop_strings):
-                reason = "stop"
-            elif len(req.output) >= req.sampling.max_new_tokens:
-                reason = "length"
-            if reason is not None:
-                if req.detok is not None:
-                    req.text += req.detok.flush()
-                if req.status is Status.WAITING:  # preempted while this step was in flight
-                    self.waiting.remove(req)
-                self._finish(req, reason)
         return touched
+
+    def _emit(self, req: Request, tok: int) -> bool:
+        """Append one output token and apply the stop conditions. Returns whether req finished."""
+        req.output.append(tok)
+        req.metrics.setdefault("first_token", time.perf_counter())
+        if req.detok is not None:
+            req.text += req.detok.push(tok)
+        reason = None
+        if self.cfg.eos_token_id is not None and tok == self.cfg.eos_token_id:
+            reason = "eos"
+        elif req.sampling.stop_strings and any(s in req.text[-(len(s) + 64):] for s in req.sampling.stop_strings):
+            reason = "stop"
+        elif len(req.output) >= req.sampling.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return False
+        if req.detok is not None:
+            req.text += req.detok.flush()
+        if req.status is Status.WAITING:  # preempted while this step was in flight
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return True
 
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -421,5 +494,7 @@ class Scheduler:
             own(slot_owner, self.tree.all_ckpt_slots(), "radix tree checkpoint")
             locks = sum(1 for r in self.running if r.lock_node is not None)
             assert self.tree.root.lock == 1 + locks, "radix locks do not match the running requests"
-        assert set(page_owner) == set(range(1, self.pages.size)), "a page is lost"
-        assert set(slot_owner) == set(range(1, self.slots.size)), "a slot is lost"
+        assert set(page_owner) == set(self.pages.all_ids()), "a page is lost"
+        assert set(slot_owner) == set(self.slots.all_ids()), "a slot is lost"
+        if self.memory is not None:
+            self.memory.check()

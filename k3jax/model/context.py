@@ -1,8 +1,9 @@
 """Step inputs: the packed ragged batch (`StepBatch`) and what every layer derives from it
 (`StepContext`, computed once per step inside the jitted function).
 
-Token layout: `tokens[:D]` is the decode segment (sequence i owns token i; D = number of decode
-sequences), `tokens[D:]` the prefill segment packed by `prefill_cu` (offsets relative to D).
+Token layout: `tokens[:D*B]` is the decode segment (sequence i owns token slots [i*B, (i+1)*B);
+D = number of decode sequences; B = 1, or gamma+1 in a speculative verify step), `tokens[D*B:]` the
+prefill segment packed by `prefill_cu` (offsets relative to D*B).
 Sequences `[0, D)` decode, `[D, N)` prefill. Padded sequences use slot 0 and page 0 (the sinks);
 padded tokens fall outside every sequence and are ignored. All static sizes come from array shapes,
 so a step compiles once per (T, N, NP, pages-per-sequence, R) bucket.
@@ -48,9 +49,16 @@ class StepContext:
     conv_idx: jax.Array  # i32[T, W] rows of concat(x, carried) read by each conv tap
     conv_state_idx: jax.Array  # i32[N, W-1] rows that become the new carried inputs
     num_decode: int = dataclasses.field(metadata=dict(static=True), default=0)
+    block: int = dataclasses.field(metadata=dict(static=True), default=1)  # token slots per decode sequence
+
+    @property
+    def decode_tokens(self) -> int:
+        return self.num_decode * self.block
 
 
-def make_context(b: StepBatch, conv_size: int) -> StepContext:
+def make_context(b: StepBatch, conv_size: int, block: int = 1) -> StepContext:
+    """`block` > 1: speculative verify; decode sequence i owns token slots [i*block, (i+1)*block)
+    (its first seq_len[i] are real: the last sampled token and its drafts)."""
     T = b.tokens.shape[0]
     N = b.seq_slot.shape[0]
     NP = b.prefill_cu.shape[0] - 1
@@ -80,8 +88,9 @@ def make_context(b: StepBatch, conv_size: int) -> StepContext:
         seq_end=b.seq_start + b.seq_len,
         page_table=b.page_table,
         prefill_cu=b.prefill_cu,
-        prefill_chunks=chunk_table(b.prefill_cu, T - D, CHUNK_TOKENS),
+        prefill_chunks=chunk_table(b.prefill_cu, T - D * block, CHUNK_TOKENS),
         conv_idx=conv_idx,
         conv_state_idx=conv_state_idx,
         num_decode=D,
+        block=block,
     )

@@ -38,15 +38,16 @@ class Params:
     attn_res: AttnResParams | None  # Block AttnRes query sites (None: plain residual)
 
 
-def _attention(params: Params, h, ctx, state: DeviceState, i: int, cfg: ModelConfig, impl: str, shard=None):
+def _attention(params: Params, h, ctx, state: DeviceState, i: int, cfg: ModelConfig, impl: str, shard=None,
+               captures=None):
     j = cfg.kind_index[i]
     if cfg.layer_kinds[i] == "kda":
         with jax.named_scope(f"layer{i}_kda"):
-            y, rec = kda_layer(layer_slice(params.kda, j), h, ctx, state.recurrent, j, cfg, impl, shard)
-        return y, DeviceState(recurrent=rec, kv=state.kv)
+            y, rec = kda_layer(layer_slice(params.kda, j), h, ctx, state.recurrent, j, cfg, impl, shard, captures)
+        return y, state.with_recurrent(rec)
     with jax.named_scope(f"layer{i}_mla"):
         y, kv = mla_layer(layer_slice(params.mla, j), h, ctx, state.kv, j, cfg, impl, shard)
-    return y, DeviceState(recurrent=state.recurrent, kv=kv)
+    return y, state.with_kv(kv)
 
 
 def _ffn(params: Params, h, i: int, cfg: ModelConfig, shard=None):
@@ -59,16 +60,18 @@ def _ffn(params: Params, h, i: int, cfg: ModelConfig, shard=None):
 
 
 def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla",
-                   shard=None):
-    """-> (final normed hidden of the `logit_idx` rows [R, D], state)."""
-    ctx = make_context(batch, cfg.kda_conv_size)
+                   shard=None, block: int = 1, captures: list | None = None):
+    """-> (final normed hidden of the `logit_idx` rows [R, D], state). `block` > 1: a speculative
+    verify step (see `StepContext`); each KDA layer appends its `VerifyCapture` to `captures`."""
+    ctx = make_context(batch, cfg.kda_conv_size, block)
     eps = cfg.rms_norm_eps
     x = params.embed[batch.tokens]
     B = cfg.attn_res_block_size
     ar = params.attn_res
     if not B:
         for i in range(cfg.num_layers):
-            a, state = _attention(params, rms_norm(x, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard)
+            a, state = _attention(params, rms_norm(x, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard,
+                                  captures)
             x = x + a
             x = x + _ffn(params, rms_norm(x, params.post_norm[i], eps), i, cfg, shard)
         out = x[batch.logit_idx]
@@ -80,7 +83,8 @@ def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
             if i % B == 0:
                 bank.append(p)
                 p = None
-            a, state = _attention(params, rms_norm(h, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard)
+            a, state = _attention(params, rms_norm(h, params.input_norm[i], eps), ctx, state, i, cfg, impl, shard,
+                                  captures)
             p = a if p is None else p + a
             h = mix(bank, p, layer_slice(ar.mlp, i), eps)
             p = p + _ffn(params, rms_norm(h, params.post_norm[i], eps), i, cfg, shard)
@@ -89,13 +93,26 @@ def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
     return rms_norm(out, params.final_norm, eps), state
 
 
+def lm_head(params: Params, h):
+    with jax.named_scope("lm_head"):
+        return jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
+                          preferred_element_type=jnp.float32)
+
+
 def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "auto", shard=None):
     """-> (f32 logits [R, X] of the `logit_idx` rows, new state)."""
     h, state = forward_hidden(params, state, batch, cfg, impl, shard)
-    with jax.named_scope("lm_head"):
-        logits = jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
-                            preferred_element_type=jnp.float32)
-    return logits, state
+    return lm_head(params, h), state
+
+
+def forward_verify(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, block: int,
+                   impl: str = "auto", shard=None):
+    """A speculative verify step: blocks of `block` tokens per decode sequence read the committed
+    recurrent state (never writing it) and write MLA KV for every block token; prefill sequences
+    run as usual. -> (logits [R, X], state, [VerifyCapture per KDA layer])."""
+    captures: list = []
+    h, state = forward_hidden(params, state, batch, cfg, impl, shard, block, captures)
+    return lm_head(params, h), state, captures
 
 
 step = jax.jit(forward, static_argnames=("cfg", "impl", "shard"), donate_argnames=("state",))

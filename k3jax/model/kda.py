@@ -22,6 +22,7 @@ from k3jax.model.common import proj, rms_norm
 from k3jax.model.context import StepContext
 from k3jax.state import RecurrentPool
 from pallas_kernels import kda as kda_kernels
+from pallas_kernels.kda import spec as kda_spec
 
 
 @jax.tree_util.register_dataclass
@@ -88,9 +89,25 @@ def short_conv(x: jax.Array, w: jax.Array, init: jax.Array, ctx: StepContext):
     return y.astype(x.dtype), src[ctx.conv_state_idx]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VerifyCapture:
+    """What a verify step records per KDA layer for the fold (ReplaySSM): the recurrence inputs of
+    every block step (k, v in the activation dtype, exact; g, beta in f32) and the block's pre-conv
+    inputs (in the pool's conv channel layout). `pallas_kernels.kda.spec.replay_step_bytes` is its
+    size per step and head."""
+
+    core: kda_spec.Capture  # k, v, g, beta [D, B, H, ...]
+    conv_x: jax.Array  # [D, B, C]
+
+
 def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool, layer: int, cfg: ModelConfig,
-              impl: str = "xla", shard=None):
-    """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice."""
+              impl: str = "xla", shard=None, captures: list | None = None):
+    """x [T, D] (after input norm) -> (y [T, D], pool). `p` holds this layer's slice.
+
+    In a verify step (`ctx.block` > 1) the decode segment holds blocks of block tokens per sequence:
+    they read the committed recurrent and conv state and never write it; their `VerifyCapture` is
+    appended to `captures` for the fold (`k3jax.spec.step`)."""
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     T = x.shape[0]
     G = shard.groups("kda_heads") if shard is not None else 1
@@ -103,18 +120,23 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
             qkv = jnp.swapaxes(qkv.reshape(T, 3, G, H * K // G), 1, 2).reshape(T, 3 * H * K)
             qkv = shard.constrain(qkv, (None, "kda_heads"))
         fresh = ctx.seq_fresh
-        conv_init = jnp.where(fresh[:, None, None], 0, pool.conv[ctx.seq_slot, layer])
+        nd, B, ndt = ctx.num_decode, ctx.block, ctx.decode_tokens
+        conv_init = jnp.where(fresh[:, None, None], 0, pool.read_conv(ctx.seq_slot, layer))
+        conv_x = qkv[:ndt]
         qkv, conv_new = short_conv(qkv, group_channels(p.conv, G, H, K), conv_init, ctx)
-        conv = pool.conv.at[ctx.seq_slot, layer].set(conv_new.astype(pool.conv.dtype))
+        if B == 1:
+            pool = pool.write_conv(ctx.seq_slot, layer, conv_new)
+        elif ctx.seq_slot.shape[0] > nd:  # verify blocks leave their conv state to the fold
+            pool = pool.write_conv(ctx.seq_slot[nd:], layer, conv_new[nd:])
         q, k, v = jnp.split(ungroup_channels(qkv, G, H, K).reshape(T, 3, H, K), 3, axis=1)
         if G > 1:
             q, k, v = (shard.constrain(a, (None, None, "kda_heads", None)) for a in (q, k, v))
-        q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]), v[:, 0]
+        # k in the activation dtype for every kernel: a verify capture stores it so, and the fold
+        # replays exactly the values verify used
+        q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]).astype(x.dtype), v[:, 0]
         g = kda_gate(proj(proj(x, p.f_a), p.f_b), p, cfg)  # [T, H, K]
         beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]
 
-    nd = ctx.num_decode
-    ssm = pool.ssm
     outs = []
     decode = lambda q, k, v, g, beta, ssm, slots, reset: kda_kernels.kda_decode(
         q, k, v, g, beta, ssm, slots, layer=layer, reset=reset, impl=impl)
@@ -128,15 +150,32 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         chunk = shard.kernel(chunk, (bth, bth, bth, bth, (None, None, "kda_heads"), (None, "kda_heads", None, None),
                                      (None,)), (bth, (None, "kda_heads", None, None)))
     with jax.named_scope("kda_core"):
-        if nd:
-            o_d, ssm = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], ssm, ctx.seq_slot[:nd], fresh[:nd])
+        if nd and B > 1:  # verify: from the committed state, read only; capture for the fold
+            blk = lambda a: a[:ndt].reshape(nd, B, *a.shape[1:])
+            s0 = jnp.where(fresh[:nd, None, None, None], 0.0, pool.read_ssm(ctx.seq_slot[:nd], layer))
+            # the Pallas verify kernel on one device; under a mesh the jnp scan (partitioned by heads)
+            o_d, cap = kda_spec.kda_verify(blk(q), blk(k), blk(v), blk(g), blk(beta), s0,
+                                           impl=impl if shard is None else "xla")
+            outs.append(o_d.reshape(ndt, *o_d.shape[2:]))
+            narrow = kda_spec.Capture(k=cap.k.astype(x.dtype), v=cap.v.astype(x.dtype), g=cap.g, beta=cap.beta)
+            captures.append(VerifyCapture(core=narrow, conv_x=blk(conv_x)))
+        elif nd and pool.in_place:  # the kernel reads and writes the pool by slot in place
+            o_d, ssm = decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], pool.ssm, ctx.seq_slot[:nd], fresh[:nd])
+            pool = dataclasses.replace(pool, ssm=ssm)
             outs.append(o_d)
-        if T > nd:
+        elif nd:  # unified memory: gather the states, run the kernel on them, scatter back
+            slots_d = ctx.seq_slot[:nd]
+            compact = pool.read_ssm(slots_d, layer)[:, None]
+            o_d, compact = kda_kernels.kda_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], compact,
+                                                  jnp.arange(nd), layer=0, reset=fresh[:nd], impl=impl)
+            pool = pool.write_ssm(slots_d, layer, compact[:, 0])
+            outs.append(o_d)
+        if T > ndt:
             slots_p = ctx.seq_slot[nd:]
-            s0 = jnp.where(fresh[nd:, None, None, None], 0.0, ssm[slots_p, layer])
-            o_p, s_f = chunk(q[None, nd:], k[None, nd:], v[None, nd:], g[None, nd:], beta[None, nd:], s0,
+            s0 = jnp.where(fresh[nd:, None, None, None], 0.0, pool.read_ssm(slots_p, layer))
+            o_p, s_f = chunk(q[None, ndt:], k[None, ndt:], v[None, ndt:], g[None, ndt:], beta[None, ndt:], s0,
                              ctx.prefill_cu)
-            ssm = ssm.at[slots_p, layer].set(s_f)
+            pool = pool.write_ssm(slots_p, layer, s_f)
             outs.append(o_p[0])
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [T, H, V] f32
 
@@ -144,4 +183,4 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         gate = proj(x, p.g_proj) if p.g_proj is not None else proj(proj(x, p.g_a), p.g_b)
         o = rms_norm(o, p.o_norm, cfg.rms_norm_eps) * jax.nn.sigmoid(gate.astype(jnp.float32).reshape(T, H, K))
         y = proj(o.reshape(T, H * K).astype(x.dtype), p.o_proj)
-    return y, RecurrentPool(ssm=ssm, conv=conv)
+    return y, pool

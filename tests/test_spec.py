@@ -1,0 +1,192 @@
+"""Speculative decoding (verify -> accept -> fold): greedy identity with the plain engine across
+engine features, the fold against plain decoding, lossless rejection sampling, memory accounting."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sstats
+
+from k3jax import LLM, SamplingParams
+from k3jax.api import load_model
+from k3jax.engine.runner import SeqWork, pack_step
+from k3jax.engine.simple import generate_stream
+from k3jax.model.forward import forward, forward_verify
+from k3jax.sampling import spec_accept, target_logprobs
+from k3jax.sizing import spec_window_bytes
+from k3jax.spec.drafter import NgramDrafter, OracleDrafter
+from k3jax.spec.step import fold_blocks
+from k3jax.state import init_state
+from tests.test_engine import ENGINE_KW, workload
+
+SP = SamplingParams(max_new_tokens=16)
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("k3-tiny", seed=0)
+
+
+def spec_workload(seed=0):
+    """The [engine] workload, plus a third phase that restores from a checkpoint a verify block
+    planted while crossing depth 192 in phase 2."""
+    phase1, phase2 = workload(seed)
+    rng = np.random.default_rng(seed + 1)
+
+    def phase3(prompts2, outs2):
+        return [prompts2[2] + outs2[2] + rng.integers(0, 256, 5).tolist()]
+    return phase1, phase2, phase3
+
+
+def run(llm):
+    phase1, phase2, phase3 = spec_workload()
+    gen = lambda ps: [o.token_ids for o in llm.generate(ps, SP)]
+    out1 = gen(phase1)
+    p2 = phase2(out1)
+    out2 = gen(p2)
+    out3 = gen(phase3(p2, out2))
+    llm.check_invariants()
+    return out1 + out2 + out3
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    phase1, phase2, phase3 = spec_workload()
+    ref = lambda p: list(generate_stream(model, p, SP, prefill_chunk=128, max_seq_len=512))
+    out1 = [ref(p) for p in phase1]
+    p2 = phase2(out1)
+    out2 = [ref(p) for p in p2]
+    p3 = phase3(p2, out2)
+    prompts = phase1 + p2 + p3
+    out = out1 + out2 + [ref(p) for p in p3]
+    return out, {tuple(p): o for p, o in zip(prompts, out)}
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_speculative_equals_plain(model, reference, page_size):
+    want, answers = reference
+    # every combination at page_size 16; at page_size 1 the two diagonal ones (each option on and off)
+    combos = list(itertools.product([True, False], [True, False])) if page_size == 16 else [(True, True), (False, False)]
+    for prefix_cache, overlap in combos:
+        oracle = OracleDrafter(answers, model.config.vocab_size)
+        llm = LLM(model, page_size=page_size, prefix_cache=prefix_cache, overlap=overlap, speculative=oracle,
+                  num_draft_tokens=GAMMA, **ENGINE_KW)
+        assert run(llm) == want, f"prefix_cache={prefix_cache} overlap={overlap}"
+        st = llm.stats
+        assert 0 < st["spec_accepted"] < st["spec_drafted"]  # partial acceptance happened
+        assert st["spec_blocks"] < sum(len(o) for o in want)  # fewer verify steps than tokens
+        if prefix_cache:
+            assert st["spec_block_snapshots"] > 0 and st["restored_tokens"] > 0
+    if page_size == 16:
+        llm = LLM(model, page_size=page_size, speculative="ngram", num_draft_tokens=GAMMA, **ENGINE_KW)
+        assert run(llm) == want
+
+
+def test_speculative_with_unified_memory_under_pressure(model, reference):
+    want, answers = reference
+    for unified in (True, False):
+        llm = LLM(model, page_size=16, kv_pages=26, state_slots=12, enable_unified_memory=unified,
+                  speculative=OracleDrafter(answers, model.config.vocab_size), num_draft_tokens=GAMMA, **ENGINE_KW)
+        assert run(llm) == want
+        assert llm.stats["preemptions"] > 0 and llm.stats["spec_accepted"] > 0
+
+
+def test_fold_equals_plain_decode(model):
+    """verify + fold keeping n block tokens == decoding those n tokens one by one (f32 tolerance),
+    for the working slot and an in-block snapshot; accepted drafts 0, partial and all."""
+    cfg = model.config
+    B, ps = GAMMA + 1, 16
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, 70).tolist()
+    block = rng.integers(0, 256, B).tolist()
+    pages = list(range(1, 7))
+    step = jax.jit(forward, static_argnames=("cfg", "impl"))
+    verify = jax.jit(forward_verify, static_argnames=("cfg", "block", "impl"))
+    fold = jax.jit(fold_blocks)
+
+    def packed(decode=(), prefill=(), block=1):
+        return pack_step(list(decode), list(prefill), D=1 if decode else 0, P=128 if prefill else 0,
+                         NP=1 if prefill else 0, pages_per_seq=8, block=block).batch
+
+    state = init_state(cfg, 4, 8, ps)
+    _, state = step(model.params, state, packed(prefill=[SeqWork(prompt, 0, 1, pages)]), cfg, "xla")
+    plain = [state]
+    for j, t in enumerate(block):
+        _, s = step(model.params, plain[-1], packed(decode=[SeqWork([t], 70 + j, 1, pages)]), cfg, "xla")
+        plain.append(s)
+    _, vstate, caps = verify(model.params, state, packed(decode=[SeqWork(block, 70, 1, pages)], block=B), cfg, B, "xla")
+    for a, b in zip(jax.tree_util.tree_leaves(vstate.recurrent), jax.tree_util.tree_leaves(state.recurrent)):
+        np.testing.assert_array_equal(a, b)  # verify never writes the committed state
+    for n_keep in (1, 3, B):
+        snap_at = 2 if n_keep >= 2 else 0
+        out = fold(vstate, caps, jnp.array([1]), jnp.array([n_keep]), jnp.array([snap_at]), jnp.array([2]))
+        for slot, n in ((1, n_keep), (2, snap_at)):
+            if slot == 2 and not snap_at:
+                continue
+            want = plain[n].recurrent
+            np.testing.assert_allclose(out.recurrent.ssm[slot], want.ssm[1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out.recurrent.conv[slot], want.conv[1], rtol=1e-5, atol=1e-5)
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    X, B, n = 6, 3, 40000
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(np.tile(rng.normal(size=(1, B, X)) * 1.5, (n, 1, 1)), jnp.float32)
+    block = jnp.tile(jnp.array([[0, 2, 4]], jnp.int32), (n, 1))  # drafts 2 then 4
+    temp, top_k, top_p = jnp.full(n, 0.9), jnp.zeros(n, jnp.int32), jnp.full(n, 0.95)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(1), n * B)).reshape(n, B, 2)
+    n_emit, toks = spec_accept(logits, block, jnp.full(n, 2), temp, top_k, top_p, keys)
+    n_emit, toks = np.asarray(n_emit), np.asarray(toks)
+    p = np.exp(np.asarray(target_logprobs(logits[0], temp[:B], top_k[:B], top_p[:B])))  # [B, X]
+    assert 0.05 < np.mean(n_emit > 1) < 0.95  # the test exercises both accept and reject
+
+    def check(observed_tokens, probs):
+        support = probs > 0
+        counts = np.bincount(observed_tokens, minlength=X)
+        assert counts[~support].sum() == 0, "a token outside top-p was emitted"
+        q = probs[support].astype(np.float64)
+        res = sstats.chisquare(counts[support], q / q.sum() * counts.sum())
+        assert res.pvalue > 1e-4, (counts, probs)
+
+    check(toks[:, 0], p[0])  # the first emitted token follows the target
+    second = n_emit >= 2  # given the first draft was accepted, the second follows the target too
+    check(toks[second, 1], p[1])
+    # greedy rows are exact: accept while the draft is the argmax
+    g_emit, g_toks = spec_accept(logits[:2], block[:2], jnp.array([2, 0]), jnp.zeros(2), top_k[:2], top_p[:2] * 0 + 1,
+                                 keys[:2])
+    target = np.argmax(np.asarray(logits[0]), axis=-1)
+    a = 0
+    while a < 2 and target[a] == [2, 4][a]:
+        a += 1
+    assert list(np.asarray(g_emit)) == [a + 1, 1] and np.asarray(g_toks)[0, a] == target[a]
+
+
+def test_spec_window_bytes():
+    w = spec_window_bytes(128, 128, 7)
+    assert w["snapshot"] == 512 * 1024
+    assert w["replay"] <= 16 * 1024 and w["snapshot"] / w["replay"] >= 32
+    assert spec_window_bytes(128, 128, 3)["replay"] * 2 == w["replay"]
+
+
+def test_ngram_drafter_and_bad_options(model):
+    d = NgramDrafter(min_n=1, max_n=3)
+    assert d.propose("a", [1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert d.propose("a", [1, 2, 3, 9, 1, 2, 3, 9, 1], 2) == [2, 3]  # incremental index, latest match
+    assert d.propose("b", [5, 6, 7], 4) == []
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(model, speculative="medusa", **ENGINE_KW)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        LLM(model, speculative="ngram", num_draft_tokens=0, **ENGINE_KW)
+
+
+def test_speculative_sharded_equals_plain(model, reference):
+    """The verify scan and the fold over head-sharded state under a tp=2 mesh (conv channels in
+    per-shard groups), and the experts over ep=2: same greedy tokens."""
+    want, answers = reference
+    llm = LLM(model, page_size=16, mesh="tp=2,ep=2", speculative=OracleDrafter(answers, model.config.vocab_size),
+              num_draft_tokens=GAMMA, **ENGINE_KW)
+    assert run(llm) == want
+    assert llm.stats["spec_accepted"] > 0
