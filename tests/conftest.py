@@ -15,3 +15,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("PJRT_NPROC", "32")
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each module's compiled programs and arrays when it ends: a worker runs many modules, and
+    XLA:CPU executables of every bucket of every module would otherwise stay resident."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
