@@ -178,10 +178,11 @@ def test_a_killed_peer_makes_the_other_exit_with_a_clear_error(tmp_root, victim)
     procs[victim].kill()
     t = time.time()
     survivor = 1 - victim
-    code = _wait([procs[survivor]], [logs[survivor]], 60)[0]
+    # bounded: the peer timeout (10 s) plus slack for a 2-core machine shared with another test worker
+    code = _wait([procs[survivor]], [logs[survivor]], 120)[0]
     took = time.time() - t
     text = logs[survivor].read_text()
-    assert code != 0 and took < 60, text[-3000:]
+    assert code != 0 and took < 120, text[-3000:]
     if victim == 1:  # rank 0 notices the silent follower (possibly while stuck in a collective)
         assert code == 3 and "process 1 sent no heartbeat" in text, text[-3000:]
     else:  # the coordination service lived in rank 0: ours or JAX's error says the peer is gone
