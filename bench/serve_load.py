@@ -57,7 +57,7 @@ import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from serve import pb  # noqa: E402
-from serve.server import wait_listening  # noqa: E402
+from serve.server import stop_process, wait_listening  # noqa: E402
 
 NOISE = ("2-core CPU shared with a concurrently running test suite (pytest, XLA:CPU compiles): every figure "
          "is noisy, latencies most of all; see load_avg per level. Client and server share the same 2 cores.")
@@ -467,15 +467,8 @@ class Server:
 
     def stop(self) -> int | None:
         """SIGTERM (drain), then kill after 60 s; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.exit_code = stop_process(self.proc)
         self._log.close()
-        self.exit_code = self.proc.returncode
         if self.exit_code != 0:
             self.failed = True
         if self.failed:

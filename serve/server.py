@@ -27,6 +27,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -536,6 +537,19 @@ def wait_listening(log_text, proc, timeout: float = 120.0) -> tuple[str, str]:
             break
         time.sleep(0.1)
     raise RuntimeError(f"the server did not start (rc={proc.poll()})")
+
+
+def stop_process(proc, grace: float = 60.0) -> int:
+    """SIGTERM a server subprocess (it drains), kill it if it has not exited after `grace` seconds;
+    its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def _hostport(host: str, port: int) -> str:

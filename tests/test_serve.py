@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve import pb
 from serve.metrics import NAMES as METRIC_NAMES
-from serve.server import wait_listening
+from serve.server import stop_process, wait_listening
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -118,13 +118,7 @@ class Server:
         self.ready_s = time.perf_counter() - self.t0
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self._log.close()
 
 
