@@ -23,11 +23,19 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drop each module's compiled programs and arrays when it ends: a worker runs many modules, and
-    XLA:CPU executables of every bucket of every module would otherwise stay resident."""
+def _module_isolation():
+    """After each module: drop its compiled programs and arrays (XLA:CPU executables of every bucket of
+    every module would otherwise stay resident for the whole session), and remove logging handlers
+    it left behind (an in-process server's handler on a captured, since closed, stderr)."""
+    import logging
+
+    loggers = [logging.getLogger(), logging.getLogger("k3jax")]
+    before = [list(lg.handlers) for lg in loggers]
     yield
     import jax
 
+    for lg, hs in zip(loggers, before):
+        for h in [h for h in lg.handlers if h not in hs]:
+            lg.removeHandler(h)
     jax.clear_caches()
     gc.collect()
