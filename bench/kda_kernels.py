@@ -65,7 +65,8 @@ def rel(a, b):
 
 
 def prep_breakdown(jin, B, T, H, R):
-    """Times the pieces of the XLA intra-chunk prep on chunk-layout f32 inputs."""
+    """Times the pieces of the XLA intra-chunk prep (`prep.py`, the kernel's algorithm in jnp) on
+    chunk-layout f32 inputs."""
     from pallas_kernels.kda import prep as P
 
     C = 64
@@ -74,19 +75,12 @@ def prep_breakdown(jin, B, T, H, R):
     q, k, v, g = (ch(x) for x in jin[:4])
     beta = ch(jin[4][..., None])[..., 0]
     out = {}
-    G = jax.jit(P.chunk_cumsum)(g)
     pieces = {
         "gather_to_chunks": (jax.jit(lambda *a: tuple(ch(x) for x in a)), jin[:4]),
-        "cumsum_matmul": (jax.jit(P.chunk_cumsum), (g,)),
-        "cumsum_jnp": (jax.jit(lambda g: jnp.cumsum(g, axis=-2)), (g,)),
-        "pair_scores": (jax.jit(lambda q, k, G: P._pair_scores(q, k, G, P.SUB)), (q, k, G)),
+        "pair_scores": (jax.jit(P.pair_scores), (q, k, g)),
     }
-    Akk, _ = pieces["pair_scores"][0](q, k, G)
-    A = beta[..., None] * Akk
-    rhs = jnp.concatenate([k, v], axis=-1)
-    pieces["solve_blocked"] = (jax.jit(P.unit_lower_solve), (A, rhs))
-    pieces["solve_triangular"] = (jax.jit(lambda A, r: jax.scipy.linalg.solve_triangular(
-        A + jnp.eye(C), r, lower=True, unit_diagonal=True)), (A, rhs))
+    akk = pieces["pair_scores"][0](q, k, g)[0]
+    pieces["inverse"] = (jax.jit(P.unit_lower_inverse), (beta[..., None] * akk,))
     pieces["chunk_prep"] = (jax.jit(P.chunk_prep), (q, k, v, g, beta))
     for name, (f, a) in pieces.items():
         try:
@@ -369,10 +363,13 @@ def main(argv=None):
             prep = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5))
             ops = prep(*jin)
             row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
+            row["prep_version"] = "mgpu kernel v1"
             inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
             row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
             ops = None
-            if spec == args.breakdown:
+            if spec == args.breakdown:  # the XLA prep (same algorithm) for comparison
+                prep_x = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="xla"))
+                row["prep_xla_ms"] = jax_ms(lambda: ([prep_x(*jin) for _ in range(R)], R), reps=3)
                 row["prep_breakdown_ms"] = prep_breakdown(jin, B, T, H, R)
             row.update(ours_ms=ours, fla_ms=fla_ms, bandwidth_frac=None)
         except Exception as e:

@@ -109,6 +109,59 @@ def test_dense_chunk_with_state():
     close(S, S_r)
 
 
+@pytest.mark.parametrize("gate", [0.05, 1.0, 30.0])
+def test_matmul_form_prep_matches_reference(gate):
+    """`prep.chunk_prep` (the algorithm of the GPU prep kernel: level-factored pair scores, blocked
+    Neumann inverse) equals the reference's intra-chunk part, for weak gates up to gates where
+    every decay across a few tokens underflows (no inf or NaN from the factored exponentials)."""
+    from pallas_kernels.kda.prep import chunk_prep
+    from pallas_kernels.kda.ref import _chunk_intra
+
+    rng = np.random.default_rng(int(gate * 100))
+    n, C, K, V = 3, 64, 32, 16
+    l2 = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q = jnp.asarray(l2(rng.normal(size=(n, C, K))) * K**-0.5, jnp.float32)
+    k = jnp.asarray(l2(rng.normal(size=(n, C, K))), jnp.float32)
+    k = k.at[0].set(k[0, :1])  # one chunk of identical keys, beta 1, no decay: the worst-conditioned solve
+    v = jnp.asarray(rng.normal(size=(n, C, V)), jnp.float32)
+    g = -gate * jnp.asarray(np.log1p(np.exp(rng.normal(size=(n, C, K)))), jnp.float32)
+    g = g.at[0].set(0.0)
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(n, C)))), jnp.float32).at[0].set(1.0)
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(chunk_prep)(q, k, v, g, beta)
+        want = jax.jit(_chunk_intra)(q, k, v, g, beta)
+    for name, a, b in zip(("w", "u0", "Aqk", "qg", "kd", "gl"), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(a).all(), name
+        for c in range(n):  # per chunk: the ill-conditioned one lands near 4e-4, the others near 1e-6
+            err = np.linalg.norm(a[c] - b[c]) / max(np.linalg.norm(b[c]), 1e-30)
+            assert err < (2e-3 if c == 0 else 1e-4), (name, c, err)
+
+
+def test_prep_kernel_in_interpret_mode():
+    """The Mosaic GPU prep kernel itself, run by Mosaic GPU interpret mode on the CPU, gives the
+    XLA prep's chunk operands: varlen with an empty sequence, partial chunks, padding tokens and
+    two value heads per q/k head (the same check tests/gpu runs on the H200)."""
+    from pallas_kernels.kda import mgpu
+
+    rng = np.random.default_rng(7)
+    lens = [5, 0, 64, 70]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    T, H, HV, K, V = int(cu[-1]) + 3, 1, 2, 64, 64
+    q, k, v, g, beta = inputs(rng, (1, T), H, HV, K, V)
+    q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+    args = (q, k, v, g, beta, None, cu)
+    got = mgpu.chunk_operands(*args, scale=None, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = mgpu.chunk_operands(*args, scale=None, prep="xla")
+    live = np.asarray(got[-1]) > 0
+    assert live.sum() == 5  # 1 + 1 + 2 chunks and one of padding tokens (zero operands)
+    for name, a, b in zip(("w", "qg", "kdT", "aqk", "u0", "gl"), got[:6], want[:6]):
+        a, b = (np.asarray(x.astype(jnp.float32), np.float64)[live] for x in (a, b))
+        assert np.isfinite(a).all(), name
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
+
+
 def _export_cuda(f, *args):
     try:
         return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)

@@ -1,8 +1,10 @@
 """KDA kernels in Pallas Mosaic GPU (`plgpu`) for the H100/H200 (sm_90): `impl="pallas"` on GPU.
 
-Status (see bench/NOTES.md): `chunk` and `decode` are checked and measured on the H200 (JAX
-0.11.2). `decode` is written for Lane semantics (0.11.2 defaults to Warpgroup) and updates the
-pool in place through a JAX Ref on 0.11.2 (`pl.pallas_call` with an alias on 0.10).
+Status (see bench/NOTES.md): `chunk` (prep + inter kernels) and `decode` are checked and
+measured on the H200 (JAX 0.11.2). `decode` is written for Lane semantics (0.11.2 defaults to
+Warpgroup) and updates the pool in place through a JAX Ref on 0.11.2 (`pl.pallas_call` with an
+alias on 0.10). The prep kernel also runs in Mosaic GPU interpret mode (CPU tests); it is written
+for Lane semantics too.
 
 Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile). It
 TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
@@ -15,10 +17,11 @@ a JAX Ref, which Pallas discharges into an input/output alias (`api="ref"`). `ap
 (a fresh array that XLA scatters into the pool) remains for comparison: 1.7-1.8x slower.
 
 Chunked prefill (`chunk`): the state-independent part of each chunk (w, u0, Aqk, q exp G,
-k exp(G_C - G), exp G_C) is computed by XLA in matmul form (`prep.chunk_prep`); the sequential
-part runs here, one CTA per (sequence, value head, V tile) walking its sequence's chunks with
-the state tile in registers (f32) and the chunk operands double-buffered in shared memory by
-TMA. Per chunk, on the tensor cores (bf16 operands, f32 accumulation, as fla does):
+k exp(G_C - G), exp G_C) comes from the prep kernel (`_chunk_prep_call`, the algorithm of
+`prep.py`: one CTA per chunk and value head, every step a 64 x 64 wgmma); the sequential part
+runs in `_chunk_inter_call`, one CTA per (sequence, value head, V tile) walking its sequence's
+chunks with the state tile in registers (f32) and the chunk operands double-buffered in shared
+memory by TMA. Per chunk, on the tensor cores (bf16 operands, f32 accumulation, as fla does):
 
     u = u0 - w S;   o = (q exp G) S + Aqk u;   S <- exp(G_C) * S + (k exp(G_C - G))^T u
 
@@ -210,6 +213,226 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     return o, pool3.reshape(pool.shape)
 
 
+# ---- chunked prefill: intra-chunk prep -----------------------------------------------------
+
+
+def _gpu_interpret_params():
+    """Mosaic GPU interpret mode (runs a `plgpu.kernel` on the CPU, simulating SMEM, TMA and
+    barriers): how the CPU tests check the prep kernel itself. Not exported by
+    `jax.experimental.pallas.mosaic_gpu` in JAX 0.10, hence the private import."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _bf16_split(x):
+    """f32 -> (hi, lo) bf16 with hi + lo = x to ~16 bits: a product of two splits (three wgmma,
+    dropping lo x lo) is close to f32."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False):
+    """Intra-chunk prep (`prep.chunk_prep`'s algorithm) as one Mosaic GPU kernel: one CTA (one
+    warpgroup) per (chunk, value head), its inputs TMA-loaded from chunk rows.
+
+    q, k [R, H, K] bf16; v [R, HV, V] bf16; g [R, HV, K] f32; beta_t [HV, R] f32, chunk rows;
+    ctok [NC] first row of each chunk (a multiple of 8: TMA boxes into swizzled tiles), cnum [NC]
+    its token count (0: a dead chunk, skipped) and cval [NC] its count of real tokens (rows from
+    cval on are zeroed after the load, so chunks of padding come out zero). Returns the
+    chunk-layout operands w, qg, kd [NC, HV, C, K] bf16, u0 [NC, HV, C, V] bf16, aqk
+    [NC, HV, C, C] bf16 and gl [NC, HV, K] f32. interpret: Mosaic GPU interpret mode (CPU).
+
+    On the tensor cores (bf16 operands, f32 accumulation): the decay sums D = S g with g split in
+    two bf16 parts (S in {-1, 0, 1}: exact); the level scores in bf16 (like the inter kernel's
+    operands); the solve's ten 64 x 64 products with both sides split (three wgmma each); w and
+    u0 from the bf16 inverse, as fla does."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    NC = ctok.shape[0]
+    C = CHUNK_TOKENS
+    Gq = HV // H
+    f32, bf = jnp.float32, jnp.bfloat16
+    nl = C.bit_length() - 1
+    assert C == 64 and K % 64 == 0 and V % 64 == 0
+    # swizzled tiles for TMA and wgmma (interpret mode simulates plain row-major SMEM)
+    tiled = lambda shape, dt: {} if interpret else (_f32_tiled() if dt == f32 else _bf16_tiled(shape[-1]))
+
+    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, ctok_ref, cnum_ref, cval_ref,
+               w_ref, qg_ref, kd_ref, u0_ref, aqk_ref, gl_ref,
+               q_s, k_s, gs_s, b_s, bar, vbar):
+        c = lax.axis_index("chunk")
+        h = lax.axis_index("head")
+        tok = ctok_ref[c]
+        cnt = cval_ref[c]
+        hq = h // Gq
+        # Index tiles are rebuilt where used and constants stay splat scalars, to keep registers
+        # free; the scratch beyond q, k, the g split and beta lives in scopes (SMEM is a stack),
+        # so two CTAs fit on an SM.
+        cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+        it = lambda shape, d: cast(lax.broadcasted_iota(jnp.int32, shape, d), WGMMA)
+        ti = lambda: it((C, C), 0)
+        ii = lambda: it((C, C), 1)
+        load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
+        ld = lambda ref: load(ref, WGMMA).astype(f32)
+        smem = lambda shape, dt: plgpu.SMEM(shape, dt, **tiled(shape, dt))
+
+        def mm(pairs, shape):
+            """sum of a @ b (bf16 operands, f32 accumulation) on the tensor cores; a is an array,
+            b a ref or ("T", ref) for its transpose. Interpret mode computes it with jnp."""
+            if interpret:
+                val = lambda b: b[1][...].T if isinstance(b, tuple) else b[...]
+                return sum(jnp.dot(a.astype(f32), val(b).astype(f32), precision=lax.Precision.HIGHEST) for a, b in pairs)
+
+            def fn(acc):
+                for a, b in pairs:
+                    plgpu.wgmma(acc, a, plgpu.transpose_ref(b[1], (1, 0)) if isinstance(b, tuple) else b)
+                return acc[...]
+
+            return pl.run_scoped(fn, plgpu.ACC(shape, f32))
+
+        def dsum(S):  # S [C, C] in {-1, 0, 1} (f32) -> S @ g [C, K] f32
+            Sb = S.astype(bf)
+            return mm([(Sb, gs_s.at[0]), (Sb, gs_s.at[1])], (C, K))
+
+        def store_out(val, out_ref, dt=bf):  # stage in a scoped buffer, TMA out, wait for the read
+            def fn(buf):
+                buf[...] = val.astype(dt)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(buf, out_ref)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            shape = val.shape
+            pl.run_scoped(fn, smem(shape, dt) if len(shape) == 2 else plgpu.SMEM(shape, dt))
+
+        @pl.when(cnum_ref[c] > 0)
+        def _():
+            # the chunk's rows start on a multiple of 64 (the caller gathers chunks into aligned
+            # rows: a TMA box into swizzled tiles must start on a multiple of 8 rows); rows past
+            # the chunk's real tokens -> 0, once, in place
+            live = lambda n: it((C, n), 0) < cnt
+
+            def load_g(g32):
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok, C), hq], q_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(tok, C), hq], k_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(b_ref.at[h, pl.ds(tok, C)], b_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(tok, C), h], g32, bar.at[0])
+                plgpu.barrier_wait(bar.at[0])
+                q_s[...] = jnp.where(live(K), ld(q_s), 0.0).astype(bf)
+                k_s[...] = jnp.where(live(K), ld(k_s), 0.0).astype(bf)
+                g_hi, g_lo = _bf16_split(jnp.where(live(K), ld(g32), 0.0))
+                gs_s[0] = g_hi
+                gs_s[1] = g_lo
+                plgpu.commit_smem()
+
+            pl.run_scoped(load_g, smem((C, K), f32))
+
+            # level of each pair, plus one: 1 + the highest bit of t ^ i, 0 on the diagonal (kept
+            # non-negative: these int arrays compare unsigned); level l's pairs are t > i with
+            # lev1 == l + 1, and its decay sums S_l g (G_t - G_ref) have S_l in {-1, 0, 1}
+            x = ti() ^ ii()
+            lev1 = jnp.where(x == 0, 0, 1)
+            for bit in range(1, nl):
+                lev1 = lev1 + jnp.where(x >= (1 << bit), 1, 0)
+
+            def levels(r_s):
+                akk = aqk = None
+                rT = ("T", r_s)
+                for lv in reversed(range(nl)):
+                    b = 1 << lv
+                    t_, i_ = ti(), ii()
+                    tb = (t_ & b) != 0
+                    S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)
+                    d = dsum(S)
+                    # rows in the second half need exp(D), rows in the first half exp(-D): both are
+                    # exp(-|D|), and the other rows' values are masked out below
+                    e = jnp.exp(jnp.minimum(d, -d))
+                    ek = (ld(k_s) * e).astype(bf)
+                    r_s[...] = ek
+                    plgpu.commit_smem()
+                    eq = (ld(q_s) * e).astype(bf)
+
+                    sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))
+                    sel = (lev1 == lv + 1) & (ti() > ii())
+                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
+                    akk, aqk = (sk, sq) if akk is None else (akk + sk, aqk + sq)
+                return akk, aqk
+
+            akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
+            qk = mm([(load(q_s, WGMMA), ("T", k_s))], (C, C))
+            store_out((aqk + jnp.where(ti() == ii(), qk, 0.0)) * scale, aqk_ref.at[c, h])
+
+            # per-token outputs: G, G_C - G -> gl, kd, qg; the right-hand sides (beta exp(G) k,
+            # beta v) go over the g split, whose last reads are G and G_C - G
+            G = dsum(jnp.where(ii() <= ti(), 1.0, 0.0))
+            dl = dsum(jnp.where(ii() > ti(), 1.0, 0.0))
+            store_out(jnp.exp(jnp.sum(jnp.where(it((C, K), 0) == C - 1, G, 0.0), axis=0)), gl_ref.at[c, h], f32)
+            kk = ld(k_s)
+            store_out(kk * jnp.exp(dl), kd_ref.at[c, h])
+            eG = jnp.exp(G)
+            bt = load(b_s, ROW)
+            gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)
+
+            def load_v(v_s):
+                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(tok, C), h], v_s, vbar.at[0])
+                plgpu.barrier_wait(vbar.at[0])
+                gs_s[1] = jnp.where(live(V), ld(v_s) * _bc_rows(bt, (C, V)), 0.0).astype(bf)
+
+            pl.run_scoped(load_v, smem((C, V), bf))
+            q_s[...] = (ld(q_s) * (eG * scale)).astype(bf)  # qg, stored last
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_s, qg_ref.at[c, h])
+
+            # (I + A)^-1, A = beta * akk (rows past cnt are 0: k is 0 there): the 16 x 16 diagonal
+            # blocks by Neumann doubling, then the merge (I - M)(I + M^2) D^-1
+            A = akk * _bc_rows(bt, (C, C))
+
+            def solve(p_s):
+                def mm3(X, Y):
+                    yh, yl = _bf16_split(Y)
+                    p_s[0] = yh
+                    p_s[1] = yl
+                    plgpu.commit_smem()
+                    xh, xl = _bf16_split(X)
+                    return mm([(xh, p_s.at[0]), (xl, p_s.at[0]), (xh, p_s.at[1])], (C, C))
+
+                diag = lambda: (ti() >> 4) == (ii() >> 4)
+                N = jnp.where(diag(), -A, 0.0)
+                Dinv = jnp.where(ti() == ii(), 1.0, 0.0) + N
+                for _ in range(3):
+                    N = mm3(N, N)
+                    Dinv = Dinv + mm3(Dinv, N)
+                M = mm3(Dinv, jnp.where(diag(), 0.0, A))
+                Y = Dinv + mm3(mm3(M, M), Dinv)
+                return (Y - mm3(M, Y)).astype(bf)
+
+            Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))
+            store_out(mm([(Tinv, gs_s.at[0])], (C, K)), w_ref.at[c, h])
+            store_out(mm([(Tinv, gs_s.at[1])], (C, V)), u0_ref.at[c, h])
+            plgpu.wait_smem_to_gmem(0)
+
+    sds = jax.ShapeDtypeStruct
+    f = plgpu.kernel(
+        kernel,
+        out_type=[sds((NC, HV, C, K), bf), sds((NC, HV, C, K), bf), sds((NC, HV, C, K), bf),
+                  sds((NC, HV, C, V), bf), sds((NC, HV, C, C), bf), sds((NC, HV, K), f32)],
+        grid=(NC, HV),
+        grid_names=("chunk", "head"),
+        scratch_types=[
+            plgpu.SMEM((C, K), bf, **tiled((C, K), bf)),  # q (rows past cnt zeroed), at the end qg
+            plgpu.SMEM((C, K), bf, **tiled((C, K), bf)),  # k
+            plgpu.SMEM((2, C, K), bf, **tiled((C, K), bf)),  # g split, then the right-hand sides
+            plgpu.SMEM((C,), f32),  # beta
+            plgpu.Barrier(num_arrivals=4, num_barriers=1),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        ],
+        compiler_params=_LANE,
+        kernel_name="kda_chunk_prep_mgpu",
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+    )
+    return f(q, k, v, g, beta_t, ctok, cnum, cval)
+
+
 # ---- chunked prefill -----------------------------------------------------------------------
 
 _LADDER = (64, 32, 16, 8, 4, 2, 1)
@@ -333,18 +556,19 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
     return f(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)
 
 
-def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=64):
+def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=64, prep="mgpu"):
     """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
     initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
-    final_state [N, HV, K, V] f32)."""
-    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+    final_state [N, HV, K, V] f32). prep: "mgpu" (the prep kernel) or "xla" (`prep.chunk_prep`)."""
+    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep)
     o, ht = _chunk_inter_call(*ops, q.shape[1], vt=vt)
     return o[None], ht[: cu_seqlens.shape[0] - 1]
 
 
-def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale):
-    """The XLA part of `chunk`: gather into chunks and the intra-chunk prep -> the operands of
-    `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)."""
+def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu", interpret=False):
+    """The part of `chunk` before the sequential kernel: the chunk table and the intra-chunk prep
+    -> the operands of `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum).
+    interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests)."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     N = cu_seqlens.shape[0] - 1
@@ -355,29 +579,39 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale):
     cu_ext = jnp.concatenate([cu, jnp.full((1,), T, jnp.int32)])
     tab = chunk_table(cu_ext, T, C)
     valid = tab.token_valid & (tab.token_idx < cu[N])
-    idx = jnp.clip(tab.token_idx, 0, T - 1)
-    Gq = HV // H
-
-    def gather(x, heads_rep=1):  # [T, h, X] -> [NC, HV, C, X] f32, zero outside valid tokens
-        x = x[0][idx].astype(jnp.float32)  # [NC, C, h, X]
-        if heads_rep > 1:
-            x = jnp.repeat(x, heads_rep, axis=2)
-        x = jnp.where(valid[:, :, None, None], x, 0.0)
-        return jnp.swapaxes(x, 1, 2)
-
-    qc = gather(q, Gq) * (K**-0.5 if scale is None else scale)
-    kc = gather(k, Gq)
-    vc = gather(v)
-    gc = gather(g)
-    bc = gather(beta[..., None])[..., 0]
-    w, u0, aqk, qg, kd, gl = chunk_prep(qc, kc, vc, gc, bc)
+    scale = K**-0.5 if scale is None else scale
     bf = jnp.bfloat16
-    kdT = jnp.swapaxes(kd, -1, -2).astype(bf)
+    ctok = tab.token_idx[:, 0]
+    cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
+    if prep == "mgpu":
+        # chunks gathered into 64-aligned rows (one pass over the inputs, in their own dtypes)
+        cval = jnp.sum(valid, axis=1).astype(jnp.int32)
+        rows = jnp.clip(tab.token_idx, 0, T - 1).reshape(-1)
+        rg = lambda x, dt: x[0][rows].astype(dt)
+        w, qg, kd, u0, aqk, gl = _chunk_prep_call(
+            rg(q, bf), rg(k, bf), rg(v, bf), rg(g, jnp.float32), jnp.swapaxes(rg(beta, jnp.float32), 0, 1),
+            jnp.arange(ctok.shape[0], dtype=jnp.int32) * C, cnum, cval, scale=scale, interpret=interpret,
+        )
+    elif prep == "xla":
+        idx = jnp.clip(tab.token_idx, 0, T - 1)
+        Gq = HV // H
+
+        def gather(x, heads_rep=1):  # [T, h, X] -> [NC, HV, C, X] f32, zero outside valid tokens
+            x = x[0][idx].astype(jnp.float32)  # [NC, C, h, X]
+            if heads_rep > 1:
+                x = jnp.repeat(x, heads_rep, axis=2)
+            x = jnp.where(valid[:, :, None, None], x, 0.0)
+            return jnp.swapaxes(x, 1, 2)
+
+        parts = chunk_prep(gather(q, Gq) * scale, gather(k, Gq), gather(v), gather(g), gather(beta[..., None])[..., 0])
+        w, u0, aqk, qg, kd = (x.astype(bf) for x in parts[:5])
+        gl = parts[5]
+    else:
+        raise ValueError(f"unknown prep {prep!r}")
+    kdT = jnp.swapaxes(kd, -1, -2)
     h0 = jnp.zeros((N + 1, HV, K, V), jnp.float32)
     if initial_state is not None:
         h0 = h0.at[:N].set(initial_state.astype(jnp.float32))
     nch = (cu_ext[1:] - cu_ext[:-1] + C - 1) // C
     ccu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
-    ctok = tab.token_idx[:, 0]
-    cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
-    return w.astype(bf), qg.astype(bf), kdT, aqk.astype(bf), u0.astype(bf), gl, h0, ccu, ctok, cnum
+    return w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum

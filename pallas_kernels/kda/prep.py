@@ -1,119 +1,99 @@
-"""State-independent (intra-chunk) part of chunked KDA in matmul form, for the GPU path.
+"""State-independent (intra-chunk) part of chunked KDA in matmul form: the algorithm of the Mosaic
+GPU prep kernel (`mgpu._chunk_prep_call`), and in jnp its XLA version and CPU-checkable mirror.
 
-Same outputs as `ref._chunk_intra` (w, u0, Aqk, qg, kd, gl), written so that XLA runs it as
-batched matmuls and fused elementwise/reduction kernels, never materialising the [C, C, K]
-decay cube of the reference:
+Same outputs as `ref._chunk_intra` (w, u0, Aqk, qg, kd, gl), without the [C, C, K] decay cube of
+the reference and without overflow for any gate, every step a C x C matrix product:
 
-- pairwise decays: the chunk is split into sub-chunks of B tokens. For a row t in sub-chunk I
-  and a column i in an earlier sub-chunk J, the decay factors through e_J, the cumulative log
-  decay at the end of J:
+- cumulative decays: G = Lc g with Lc lower-triangular ones. Differences of cumulative sums are
+  themselves products with {-1, 0, 1} matrices, D = S g, so they are exact to the rounding of
+  one short sum, never the difference of two large G.
+- pairwise decays, by levels (the bits of t XOR i): at level l (half-block b = 2^l) the pairs are
+  t in the second half and i in the first half of the same 2b-block. With r the last row of that
+  first half and D_t = G_t - G_r (a level matrix S_l times g),
 
-      exp(G_t - G_i) = exp(G_t - e_J) * exp(e_J - G_i),
+      exp(G_t - G_i) = exp(min(D_t, 0)) * exp(min(-D_i, 0))        (both factors <= 1),
 
-  both factors <= 1 (G is non-increasing), so the block is a plain matmul of `k_t exp(G_t - e_J)`
-  (or q) with `k_i exp(e_J - G_i)` and nothing overflows, whatever the gate. The B x B diagonal
-  blocks are one fused multiply-exp-reduce over K.
-- the unit lower-triangular solve (I + A) X = R is blocked: the inverses of the B x B diagonal
-  blocks by Neumann doubling (A is nilpotent), then forward substitution over the C / B block
-  rows with matmuls.
-- the cumulative sum over the chunk is a matmul with a lower-triangular ones matrix.
-The solve and the cumsum run at HIGHEST matmul precision (f32); the rest at the default.
+  so each level is one [C, K] x [K, C] product of scaled k (or q) with scaled k, masked to its
+  pairs; the log2(C) levels cover every i < t exactly once. The diagonal of Aqk is q_t . k_t.
+- (I + A)^-1 with A strictly lower: the 16 x 16 diagonal blocks D by Neumann doubling
+  (prod_j (I + N^(2^j)), N = -A_diag, nilpotent), then with M = D^-1 L (L: the blocks below,
+  M^4 = 0): (I + A)^-1 = (I - M)(I + M^2) D^-1. Ten C x C products.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-SUB = 16  # sub-chunk length
+SUB = 16  # diagonal block of the solve
 HI = jax.lax.Precision.HIGHEST
 
 
-def chunk_cumsum(g):
-    """Inclusive cumsum over axis -2 of [..., C, K] as a matmul (f32)."""
-    C = g.shape[-2]
-    tri = jnp.tril(jnp.ones((C, C), g.dtype))
-    return jnp.einsum("ti,...ik->...tk", tri, g, precision=HI)
+def level_tables(C: int):
+    """(Lc [C, C] lower ones incl. diagonal, S_last [C, C] = 1[i > t], S [nl, C, C], M [nl, C, C])
+    with nl = log2(C): S[l] @ g = G_t - G_ref_l(t), M[l] the pairs (t, i) of level l."""
+    nl = int(np.log2(C))
+    if 2**nl != C:
+        raise ValueError(f"chunk {C} must be a power of two")
+    t = np.arange(C)[:, None]
+    i = np.arange(C)[None, :]
+    lc = (i <= t).astype(np.float32)
+    s_last = (i > t).astype(np.float32)
+    S, M = [], []
+    for lv in range(nl):
+        b = 1 << lv
+        ref = (t & ~(2 * b - 1)) + b - 1
+        S.append(lc - (i <= ref))
+        M.append((((t ^ i) >> (lv + 1)) == 0) & ((t & b) != 0) & ((i & b) == 0))
+    return lc, s_last, np.stack(S).astype(np.float32), np.stack(M)
 
 
-def _pair_scores(q, k, G, sub):
-    """(sum_k k_t e(t,i) k_i for i < t, sum_k q_t e(t,i) k_i for i <= t) with e(t,i) =
-    exp(G_t - G_i): [..., C, K] -> two [..., C, C]."""
-    C, K = G.shape[-2], G.shape[-1]
-    nb = C // sub
-    bshape = G.shape[:-2]
-    blocks = lambda x: x.reshape(bshape + (nb, sub, K))
-    Gb, qb, kb = blocks(G), blocks(q), blocks(k)
-    e = Gb[..., -1, :]  # [..., nb, K] G at the end of each sub-chunk
-    kr = kb * jnp.exp(e[..., :, None, :] - Gb)  # [..., J, i, K]  k_i exp(e_J - G_i)
-    # left factors for the block pairs (I, J), J < I only
-    Is = [i for i in range(nb) for j in range(i)]
-    Js = [j for i in range(nb) for j in range(i)]
-    lo = jnp.exp(Gb[..., Is, :, :] - e[..., Js, None, :])  # [..., P, t, K], <= 1
-    krp = kr[..., Js, :, :]
-
-    def off(lhs_b):
-        blk = jnp.einsum("...ptk,...pik->...pti", lhs_b[..., Is, :, :] * lo, krp)  # [..., P, sub, sub]
-        full = jnp.zeros(bshape + (nb, nb, sub, sub), blk.dtype).at[..., Is, Js, :, :].set(blk)
-        return jnp.swapaxes(full, -3, -2).reshape(bshape + (C, C))
-
-    off_k, off_q = off(kb), off(qb)
-    # diagonal blocks: explicit decays in one fused multiply-exp-reduce over K
-    incl = jnp.tril(jnp.ones((sub, sub), bool))
-    dec = jnp.exp(jnp.where(incl[:, :, None], Gb[..., :, None, :] - Gb[..., None, :, :], -jnp.inf))  # [..., n, t, i, K]
-    kk = kb[..., None, :, :]
-    dk = jnp.sum(kb[..., :, None, :] * dec * kk, axis=-1)
-    dq = jnp.sum(qb[..., :, None, :] * dec * kk, axis=-1)
-    eye_b = jnp.eye(nb, dtype=G.dtype)
-    bdiag = lambda x: (x[..., :, :, None, :] * eye_b[:, None, :, None]).reshape(bshape + (C, C))
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    return jnp.where(strict, off_k + bdiag(dk), 0.0), off_q + bdiag(dq)
+def pair_scores(q, k, g):
+    """Level form of (A_kk strictly lower, A_qk lower incl. diagonal) and (G, D_last = G_C - G):
+    q (pre-scaled), k, g [..., C, K] f32."""
+    C = q.shape[-2]
+    lc, s_last, S, M = (jnp.asarray(x) for x in level_tables(C))
+    mm = lambda a, b: jnp.einsum("ti,...ik->...tk", a, b, precision=HI)
+    G, d_last = mm(lc, g), mm(s_last, g)
+    akk = jnp.zeros(q.shape[:-1] + (C,), jnp.float32)
+    aqk = jnp.where(jnp.eye(C, dtype=bool), jnp.einsum("...tk,...ik->...ti", q, k), 0.0)
+    for lv in range(S.shape[0]):
+        d = mm(S[lv], g)
+        fl, fr = jnp.exp(jnp.minimum(d, 0.0)), jnp.exp(jnp.minimum(-d, 0.0))
+        rk = k * fr
+        akk += jnp.where(M[lv], jnp.einsum("...tk,...ik->...ti", k * fl, rk), 0.0)
+        aqk += jnp.where(M[lv], jnp.einsum("...tk,...ik->...ti", q * fl, rk), 0.0)
+    return akk, aqk, G, d_last
 
 
-def _unit_lower_inverse(A):
-    """(I + A)^-1 for strictly lower A [..., n, n] (nilpotent): prod_j (I + (-A)^(2^j))."""
-    n = A.shape[-1]
-    eye = jnp.eye(n, dtype=A.dtype)
-    N = -A
-    T = eye + N
-    p = 1
-    while 2 * p < n:
-        N = jnp.matmul(N, N, precision=HI)
-        T = jnp.matmul(T, eye + N, precision=HI)
-        p *= 2
-    return T
-
-
-def unit_lower_solve(A, R, sub=SUB):
-    """X with (I + A) X = R; A [..., C, C] strictly lower, R [..., C, M]. Blocked by `sub` rows."""
+def unit_lower_inverse(A, sub=SUB):
+    """(I + A)^-1 for A [..., C, C] strictly lower: Neumann doubling on the sub x sub diagonal
+    blocks, then the block merge (I - M)(I + M^2) D^-1 (C / sub <= 4 block rows)."""
     C = A.shape[-1]
-    nb = C // sub
-    blk = lambda i, j: A[..., i * sub:(i + 1) * sub, j * sub:(j + 1) * sub]
-    Dinv = _unit_lower_inverse(jnp.stack([blk(i, i) for i in range(nb)], axis=-3))  # [..., nb, sub, sub]
-    xs = []
-    for i in range(nb):
-        r = R[..., i * sub:(i + 1) * sub, :]
-        if i:
-            r = r - jnp.matmul(A[..., i * sub:(i + 1) * sub, : i * sub], jnp.concatenate(xs, axis=-2), precision=HI)
-        xs.append(jnp.matmul(Dinv[..., i, :, :], r, precision=HI))
-    return jnp.concatenate(xs, axis=-2)
+    if C % sub or C // sub > 4:
+        raise ValueError(f"chunk {C} must be 1-4 blocks of {sub}")
+    mm = lambda a, b: jnp.matmul(a, b, precision=HI)
+    eye = jnp.eye(C, dtype=A.dtype)
+    blk = np.arange(C) // sub
+    diag = jnp.asarray(blk[:, None] == blk[None, :])
+    N = jnp.where(diag, -A, 0.0)
+    Dinv = eye + N
+    for _ in range(int(np.ceil(np.log2(sub))) - 1):
+        N = mm(N, N)
+        Dinv = Dinv + mm(Dinv, N)
+    M = mm(Dinv, jnp.where(diag, 0.0, A))
+    Y = Dinv + mm(mm(M, M), Dinv)
+    return Y - mm(M, Y)
 
 
-def chunk_prep(q, k, v, g, beta, sub=SUB):
+def chunk_prep(q, k, v, g, beta):
     """q (pre-scaled), k, g [..., C, K], v [..., C, V], beta [..., C], f32 ->
     (w [..., C, K], u0 [..., C, V], Aqk [..., C, C], qg [..., C, K], kd [..., C, K], gl [..., K])."""
-    C = q.shape[-2]
-    if C % sub:
-        raise ValueError(f"chunk {C} must be a multiple of the sub-chunk {sub}")
-    G = chunk_cumsum(g)
-    Akk, Aqk = _pair_scores(q, k, G, sub)
-    A = beta[..., :, None] * Akk
-    K = k.shape[-1]
+    akk, aqk, G, d_last = pair_scores(q, k, g)
+    Tinv = unit_lower_inverse(beta[..., :, None] * akk)
     eG = jnp.exp(G)
-    rhs = jnp.concatenate([beta[..., None] * eG * k, beta[..., None] * v], axis=-1)
-    sol = unit_lower_solve(A, rhs, sub)
-    w, u0 = sol[..., :K], sol[..., K:]
-    qg = q * eG
-    kd = k * jnp.exp(G[..., -1:, :] - G)
-    gl = jnp.exp(G[..., -1, :])
-    return w, u0, Aqk, qg, kd, gl
+    bt = beta[..., None]
+    w = jnp.matmul(Tinv, bt * eG * k, precision=HI)
+    u0 = jnp.matmul(Tinv, bt * v, precision=HI)
+    return w, u0, aqk, q * eG, k * jnp.exp(d_last), jnp.exp(G[..., -1, :])

@@ -91,6 +91,28 @@ def test_varlen_chunk(H, HV):
         assert rel_err(ht[i], ht_r[i]) < 1e-2, i
 
 
+@pytest.mark.parametrize("gate", [0.25, 8.0])
+def test_chunk_prep_kernel(gate):
+    """The prep kernel's operands against the XLA prep (`prep.chunk_prep`, f32) chunk by chunk,
+    with weak and strong gates (g down to ~ -40 per token: every cross-chunk decay underflows)."""
+    from pallas_kernels.kda import mgpu
+
+    lens = [5, 0, 64, 200, 1]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    T = int(cu[-1]) + 11
+    q, k, v, g, beta = make(jax.random.key(np.random.randint(1 << 30)), (1, T), 2, 4)
+    g = g * gate
+    ops = jax.jit(lambda *a: mgpu.chunk_operands(*a[:5], None, a[5], scale=None))(q, k, v, g, beta, cu)
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lambda *a: mgpu.chunk_operands(*a[:5], None, a[5], scale=None, prep="xla"))(
+            *map(f32ref, (q, k, v, g, beta)), cu)
+    cnum = np.asarray(ops[-1])
+    live = cnum > 0
+    for name, a, b in zip(("w", "qg", "kdT", "aqk", "u0", "gl"), ops[:6], ref[:6]):
+        a, b = np.asarray(a.astype(jnp.float32))[live], np.asarray(b.astype(jnp.float32))[live]
+        assert rel_err(a, b) < 1e-2, name
+
+
 def test_dense_chunk_long():
     B, T, H = 2, 4096 + 100, 12
     q, k, v, g, beta = make(jax.random.key(np.random.randint(1 << 30)), (B, T), H, H)
