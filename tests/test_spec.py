@@ -105,7 +105,7 @@ def test_fold_equals_plain_decode(model):
     pages = list(range(1, 7))
     step = jax.jit(forward, static_argnames=("cfg", "impl"))
     verify = jax.jit(forward_verify, static_argnames=("cfg", "block", "impl"))
-    fold = jax.jit(fold_blocks)
+    fold = jax.jit(fold_blocks, static_argnames=("impl",))
 
     def packed(decode=(), prefill=(), block=1):
         return pack_step(list(decode), list(prefill), D=1 if decode else 0, P=128 if prefill else 0,
@@ -120,9 +120,12 @@ def test_fold_equals_plain_decode(model):
     _, vstate, caps = verify(model.params, state, packed(decode=[SeqWork(block, 70, 1, pages)], block=B), cfg, B, "xla")
     for a, b in zip(jax.tree_util.tree_leaves(vstate.recurrent), jax.tree_util.tree_leaves(state.recurrent)):
         np.testing.assert_array_equal(a, b)  # verify never writes the committed state
-    for n_keep in (1, 3, B):
+    # the jnp fold on gathered states, and the fold kernel on the pool in place (portable Pallas in
+    # interpret mode: the engine's path on a GPU, where `impl` resolves to the Mosaic GPU kernel)
+    for impl, n_keep in (("xla", 1), ("xla", 3), ("xla", B), ("pallas_interpret", 3), ("pallas_interpret", B)):
         snap_at = 2 if n_keep >= 2 else 0
-        out = fold(vstate, caps, jnp.array([1]), jnp.array([n_keep]), jnp.array([snap_at]), jnp.array([2]))
+        out = fold(vstate, caps, jnp.array([1]), jnp.array([n_keep]), jnp.array([snap_at]), jnp.array([2]), impl=impl)
+        np.testing.assert_array_equal(out.recurrent.ssm[3], vstate.recurrent.ssm[3])  # slot 3: not in the block
         for slot, n in ((1, n_keep), (2, snap_at)):
             if slot == 2 and not snap_at:
                 continue

@@ -17,6 +17,7 @@ the accepted tokens when it processes the step (one step late with overlap).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,36 +26,53 @@ import jax.numpy as jnp
 from k3jax.model.forward import forward_verify
 from k3jax.sampling import sample, spec_accept
 from k3jax.state import restore_checkpoints, snapshot_slots
+from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.kda.spec import Capture, kda_fold
+from pallas_kernels.kda.spec_kernels import fold_pool
 
 
 def _stack(xs, axis=1):
     return jnp.stack(xs, axis=axis)
 
 
-def fold_blocks(state, captures, slots, n_keep, snap_at, snap_dst):
+def fold_blocks(state, captures, slots, n_keep, snap_at, snap_dst, impl="xla", shard=None):
     """Apply the kept prefix of every verified block to the recurrent pool.
 
     captures: one `VerifyCapture` per KDA layer ([D, B, ...]); slots / n_keep / snap_at / snap_dst
     i32[D]. Writes the state after n_keep steps into each working slot and, where 0 < snap_at <=
-    n_keep, the state after snap_at steps into snap_dst (else into the sink)."""
+    n_keep, the state after snap_at steps into snap_dst (else into the sink). With the Pallas fold
+    (`impl` resolving to a kernel for "kda_fold", one device, a pool kernels may write in place)
+    the replay runs on the pool itself in one launch (`spec_kernels.fold_pool`: only the touched
+    rows are read and written); otherwise the states are gathered, folded (`kda_fold`) and
+    scattered back. The conv state is a window of the captured inputs either way."""
     rec = state.recurrent
     L = len(captures)
     if not L:
         return state
-    S0 = _stack([rec.read_ssm(slots, l) for l in range(L)])  # [D, L, H, K, V]
-    cap = Capture(*(_stack([getattr(c.core, f) for c in captures]).astype(jnp.float32) for f in ("k", "v", "g", "beta")))
-    S, S_snap = kda_fold(S0, cap, n_keep, snap_at)
+    dst = jnp.where((snap_at > 0) & (snap_at <= n_keep), snap_dst, 0)
+    fields = ("k", "v", "g", "beta")
+    kern = resolve_impl(impl, "kda_fold")
+    if kern != "xla" and shard is None and rec.in_place:
+        cap = Capture(*(_stack([getattr(c.core, f) for c in captures]) for f in fields))  # [D, L, B, H, X]
+        rec = dataclasses.replace(rec, ssm=fold_pool(rec.ssm, slots, cap, n_keep, snap_at, dst, impl=kern))
+        S = S_snap = None
+    else:
+        S0 = _stack([rec.read_ssm(slots, l) for l in range(L)])  # [D, L, H, K, V]
+        cap = Capture(*(_stack([getattr(c.core, f) for c in captures]).astype(jnp.float32) for f in fields))
+        S, S_snap = kda_fold(S0, cap, n_keep, snap_at)
     conv_old = _stack([rec.read_conv(slots, l) for l in range(L)])  # [D, L, W-1, C]
     W1 = conv_old.shape[2]
     hist = jnp.concatenate([conv_old, _stack([c.conv_x for c in captures]).astype(conv_old.dtype)], axis=2)
     window = lambda n: jnp.take_along_axis(hist, (n[:, None] + jnp.arange(W1))[:, None, :, None], axis=2)
     conv_new, conv_snap = window(n_keep), window(snap_at)
-    dst = jnp.where((snap_at > 0) & (snap_at <= n_keep), snap_dst, 0)
     for l in range(L):
-        rec = rec.write_ssm(slots, l, S[:, l]).write_conv(slots, l, conv_new[:, l])
+        if S is not None:
+            rec = rec.write_ssm(slots, l, S[:, l])
+        rec = rec.write_conv(slots, l, conv_new[:, l])
     for l in range(L):  # after the working slots: a padded row's sink write never lands on a real slot
-        rec = rec.write_ssm(dst, l, S_snap[:, l]).write_conv(dst, l, conv_snap[:, l])
+        if S_snap is not None:
+            rec = rec.write_ssm(dst, l, S_snap[:, l])
+        rec = rec.write_conv(dst, l, conv_snap[:, l])
     return state.with_recurrent(rec)
 
 
@@ -79,7 +97,7 @@ def _spec_step(params, state, batch, ops, snap_at, samp, cfg, impl, block, shard
                                    first(samp.temperature), first(samp.top_k), first(samp.top_p),
                                    samp.keys[:ndt].reshape(D, block, 2))
         n_keep = jnp.where(batch.seq_len[:D] > 0, n_emit, 0)
-        state = fold_blocks(state, captures, batch.seq_slot[:D], n_keep, snap_at, ops.snap_dst[:D])
+        state = fold_blocks(state, captures, batch.seq_slot[:D], n_keep, snap_at, ops.snap_dst[:D], impl, shard)
         out = jnp.concatenate([n_keep[:, None], toks], axis=1)
     state = snapshot_slots(state, type(ops)(ops.restore_src, jnp.where(is_dec, 0, ops.snap_dst)), batch.seq_slot)
     if NP:
