@@ -212,6 +212,7 @@ class GenerationServicer:
         self.ready = False
         self.draining = False
         self.active: dict[str, float] = {}  # request id -> arrival time, for every open stream
+        self.unfinished_in_drain: list[str] = []  # streams that ended unfinished while draining
 
     # ---- limits -------------------------------------------------------------------------------
     @property
@@ -397,6 +398,8 @@ class GenerationServicer:
                 self.engine.abort(rid)
                 m.requests.labels(finish_reason="cancelled").inc()
                 log.debug("request %s cancelled after %d tokens", rid, n_out)
+                if self.draining:
+                    self.unfinished_in_drain.append(rid)
             await stream.aclose()
             self.active.pop(rid, None)
 
@@ -650,7 +653,8 @@ async def serve(args, make_llm=None) -> int:
     t = time.perf_counter()
     await server.stop(args.drain_timeout)
     hk.cancel()
-    left = list(servicer.active)
+    # still open, or already cancelled by server.stop (their handlers may finish before it returns)
+    left = list(dict.fromkeys(servicer.unfinished_in_drain + list(servicer.active)))
     log.info("drained in %.2f s%s", time.perf_counter() - t, f" ({len(left)} stream(s) cancelled)" if left else "")
     if left:  # the cancelled handlers' aborts may not reach the engine loop before it stops: abort them here
         def abort(core):

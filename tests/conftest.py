@@ -2,11 +2,18 @@
 
 Sharded tests (tests/test_sharding*.py, engine tests with `mesh=`) need 8 host devices. XLA reads
 the device count once, when JAX starts, so the whole session gets them; single-device tests still
-run on device 0 and are as fast (tests/test_forward.py: 65 s with 1 device, 62 s with 8 and the
-thread pools below, on the 2-core CI machine). `PJRT_NPROC` sizes XLA:CPU's thread pools (default:
-the core count, at least the device count): each device program blocks a pool thread inside every
-collective it waits in, and with 8 devices on 2 cores the default pools run out and a sharded step
-deadlocks. Idle threads cost nothing.
+run on device 0. `PJRT_NPROC` sizes XLA:CPU's two thread pools, the client's (default: the core
+count, at least the device count) and the intra-op one (default: the core count). Each device program
+blocks a client pool thread inside every collective it waits in: with 8 devices a pool of 8 deadlocks
+a sharded step (measured), 10 and more do not. More intra-op threads than cores cost time, though: on
+the 2-core CI machine the tests/test_engine.py page-size-16 identity test takes 78 s with 12 and 104 s
+with 32, the three tests/test_sharding_engine.py mesh tests 92 s with 12 and 346 s with 32. Subprocesses
+that need one device (the CLI, the server, the notebook kernel) drop both settings.
+
+Compiled programs go to a persistent compilation cache private to this session (deleted at exit): a
+later module that builds an engine with the same shapes as an earlier one (tests/test_engine.py's
+settings recur in five modules) loads the executable instead of compiling it again after the
+per-module `jax.clear_caches()` below (~7 s instead of ~20 s for the k3-tiny engine step).
 """
 
 import os
@@ -14,7 +21,19 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("PJRT_NPROC", "32")
+os.environ.setdefault("PJRT_NPROC", "12")
+
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import jax  # noqa: E402
+
+    _cache_dir = tempfile.mkdtemp(prefix="k3jax-test-jaxcache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
 
 
 import gc  # noqa: E402

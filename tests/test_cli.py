@@ -5,6 +5,7 @@ one shape set (prompt <= 64 tokens, 4 pages of 4 tokens), so the tiny model comp
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -23,9 +24,12 @@ PAGE = 4  # 5 prompt + 8 new tokens span 4 pages: decode crosses page boundaries
 
 
 def _cli(*args):
-    # unoptimised XLA code compiles ~2x faster; the tokens are the same
+    # a user's environment: one device, XLA:CPU's default thread pools (not this suite's 8 host devices
+    # and PJRT_NPROC, tests/conftest.py); unoptimised XLA code compiles ~2x faster, the tokens are the same
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONIOENCODING="utf-8",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0")
+               XLA_FLAGS=flags + " --xla_backend_optimization_level=0")
+    env.pop("PJRT_NPROC", None)
     return subprocess.Popen([sys.executable, "-m", "k3jax.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
 

@@ -56,7 +56,9 @@ def _free_port() -> int:
 
 
 def _env(cache_dir):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="32", PYTHONUNBUFFERED="1",
+    # PJRT_NPROC: more client pool threads than the 4 devices (tests/conftest.py says why), and not many
+    # more intra-op threads than cores: this module took 191 s with 32, 137 s with 8 (2 cores, 2 processes)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

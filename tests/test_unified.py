@@ -142,19 +142,20 @@ def test_device_views_read_back_through_moves():
 
 @pytest.fixture(scope="module")
 def engine_setup():
+    """The model, and the workload's greedy tokens from the engine with separate pools (page_size 16)."""
+    from k3jax import LLM
     from k3jax.api import load_model
-    from tests.test_engine import run_workload
+    from tests.test_engine import ENGINE_KW, run_workload
 
     model = load_model("k3-tiny", seed=0)
-    return model, run_workload
+    return model, run_workload, run_workload(LLM(model, page_size=16, **ENGINE_KW), together=True)
 
 
 def test_engine_unified_equals_separate_pools(engine_setup):
     from k3jax import LLM
     from tests.test_engine import ENGINE_KW
 
-    model, run_workload = engine_setup
-    want = run_workload(LLM(model, page_size=16, **ENGINE_KW), together=True)
+    model, run_workload, want = engine_setup
     for ps in (16, 1):
         llm = LLM(model, page_size=ps, enable_unified_memory=True, **ENGINE_KW)
         assert run_workload(llm, together=True) == want, f"page_size={ps}"
@@ -168,8 +169,7 @@ def test_engine_unified_under_pressure(engine_setup):
     from k3jax import LLM
     from tests.test_engine import ENGINE_KW
 
-    model, run_workload = engine_setup
-    want = run_workload(LLM(model, page_size=16, **ENGINE_KW), together=True)
+    model, run_workload, want = engine_setup
     llm = LLM(model, page_size=16, enable_unified_memory=True, state_slots=8, kv_pages=26, **ENGINE_KW)
     assert run_workload(llm, together=True) == want
     stats = llm.stats
