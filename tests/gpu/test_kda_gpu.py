@@ -10,15 +10,11 @@ import functools
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
+from tests.gpu import require_gpu
 
-try:
-    _gpu = jax.default_backend() == "gpu"
-except Exception:  # no backend could start
-    _gpu = False
-if not _gpu:
-    pytest.skip("needs a GPU (run through the device tool)", allow_module_level=True)
+require_gpu()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.kda import kda_chunk, kda_decode  # noqa: E402
 from pallas_kernels.kda.ref import _prep, kda_chunk_varlen_ref, kda_decode_ref  # noqa: E402
