@@ -149,7 +149,7 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
         dur = e["dur"] / 1e3 / steps  # us -> ms per step
         total += dur
         by_kernel[e["name"][:60]] += dur
-        if op not in scopes and "kda" in op:  # Mosaic GPU kernels carry their kernel_name
+        if op not in scopes and ("kda" in op or "kda" in e["name"]):  # Mosaic GPU kernels carry their kernel_name
             kind, sub = "kda", "kda_core"
         else:
             if op not in scopes:

@@ -189,6 +189,9 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
+PREP_VERSION = "mgpu prep kernel v4"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/kda_h200.json")
@@ -197,7 +200,8 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128) are timed too")
+                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32, "
+                         "v3 persistent ring) are timed too")
     ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
@@ -256,8 +260,9 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            variants = [(None, 64, True)] + ([(None, 64, False), ("scatter", 64, True), (None, 128, True)]
-                                              if N in args.variant_batch else [])
+            variants = [(None, 64, True, 0)] + ([(None, 64, False, 0), ("scatter", 64, True, 0), (None, 128, True, 0),
+                                                 (None, 32, True, 0), ("ref", 64, True, 3), ("ref", 32, True, 4)]
+                                                if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
@@ -268,10 +273,15 @@ def main(argv=None):
                     o_fla, ht_fla = f()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt, xla_casts in variants:
+            for api, vt, xla_casts, ring in variants:
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
-                       "variant": {"api": api or mgpu.default_decode_api(),
-                                   "vt": vt, "version": "v1 (XLA casts)" if xla_casts else "v2"}}
+                       "variant": {"api": api or mgpu.default_decode_api(), "vt": vt,
+                                   "version": f"v3 ring {ring}/SM" if ring else "v1 (XLA casts)" if xla_casts else "v2"}}
+                if ring:
+                    plan = mgpu.ring_plan(N * H * (128 // vt), ring)
+                    if plan is None:
+                        continue
+                    row["variant"]["ctas"], row["variant"]["tiles_per_cta"] = plan
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -284,9 +294,10 @@ def main(argv=None):
                         pool = pool.at[:N, 0].set(t2j(h0))
                     slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
                     no_reset = jnp.zeros((N,), bool)
-                    R = 16
+                    R = 4 if ring else 16  # ring: tiles unrolled per CTA; 16 launches in one jit did not compile within 3 min on the H200
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts,
+                                                      ring=ring)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
@@ -363,7 +374,7 @@ def main(argv=None):
             prep = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5))
             ops = prep(*jin)
             row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
-            row["prep_version"] = "mgpu kernel v1"
+            row["prep_version"] = PREP_VERSION
             inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
             row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
             ops = None

@@ -73,8 +73,6 @@ def _bf16_tiled(cols):
 # The decode kernel is written for Lane semantics (the default on JAX 0.10; JAX 0.11.2 defaults
 # to Warpgroup semantics, which rejects its scalar-predicate select: seen on the H200).
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-
-
 def _pallas_call_available() -> bool:
     try:
         from jax._src.pallas import core as pallas_core
@@ -90,7 +88,20 @@ def default_decode_api() -> str:
     return "pallas_call" if _pallas_call_available() else "ref"
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
+def _delta_step(S, qv, kv, ev, vv, bt, rs):
+    """One gated delta step on a [K, vt] state tile (WGMMA layout, f32) with the token's q, k,
+    exp(g) as row vectors and v as a column vector: -> (new tile, o [vt]). rs != 0: the tile
+    starts from zero (a reset slot is never read)."""
+    shape = S.shape
+    S = jnp.where(rs != 0, 0.0, S) * _bc_rows(ev, shape)
+    kb = _bc_rows(kv, shape)
+    u = bt * (vv - jnp.sum(S * kb, axis=0))
+    S = S + kb * _bc_cols(u, shape)
+    return S, jnp.sum(S * _bc_rows(qv, shape), axis=0)
+
+
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True, ring=0,
+           interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -102,7 +113,12 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
 
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
-    v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md)."""
+    v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md).
+
+    ring: 0 (v1: one CTA per (sequence, head, V tile)) or R > 0 (v3, api "ref" only): a persistent
+    grid of R CTAs per SM, each walking its tiles (every NCTA-th) with a 2-stage TMA ring: the next
+    tile's state and vectors load while this one is stepped and stored. interpret: Mosaic GPU
+    interpret mode (CPU tests; `ring` only, as if on one SM: R CTAs walk all tiles)."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
@@ -138,15 +154,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         kv = plgpu.load(k_smem, (), layout=ROW).astype(f32)
         ev = jnp.exp(plgpu.load(g_smem, (), layout=ROW).astype(f32))
         vv = plgpu.load(v_smem, (), layout=COL).astype(f32)
-        S = plgpu.load(s_smem, (), layout=WGMMA)
-        S = jnp.where(rs != 0, 0.0, S)
-        shape = (K, vt)
-        S = S * _bc_rows(ev, shape)
-        kb = _bc_rows(kv, shape)
-        pred = jnp.sum(S * kb, axis=0)
-        u = bt * (vv - pred)
-        S = S + kb * _bc_cols(u, shape)
-        o = jnp.sum(S * _bc_rows(qv, shape), axis=0)
+        S, o = _delta_step(plgpu.load(s_smem, (), layout=WGMMA), qv, kv, ev, vv, bt, rs)
         s_smem[...] = S
         o_smem[...] = o
         plgpu.commit_smem()
@@ -165,6 +173,12 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     ]
     o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
     ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
+    if ring:
+        if api != "ref":
+            raise ValueError(f"the ring decode kernel updates the pool through a JAX Ref (api='ref'), got {api!r}")
+        out = _decode_ring(ins, pool3, layer=layer, L=L, G=G, vt=vt, scale=scale, per_sm=ring, interpret=interpret)
+        if out is not None:
+            return out[0], out[1].reshape(pool.shape)
     if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
         pool_ref = jax.new_ref(pool3)
 
@@ -211,6 +225,112 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         name="kda_decode_mgpu",
     )(*ins, pool3)
     return o, pool3.reshape(pool.shape)
+
+
+MAX_RING_UNROLL = 64  # tiles per CTA in the ring decode kernel (statically unrolled)
+
+
+def ring_plan(tiles: int, per_sm: int, sms: int | None = None):
+    """(CTAs, tiles per CTA) of the ring decode kernel for `tiles` tiles, or None where every
+    divisor split needs more than MAX_RING_UNROLL tiles per CTA (then `decode` runs v1)."""
+    cap = per_sm * (sms or _sm_count())
+    ncta = next(c for c in range(min(tiles, cap), 0, -1) if tiles % c == 0)
+    return None if tiles // ncta > MAX_RING_UNROLL else (ncta, tiles // ncta)
+
+
+def _sm_count() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except Exception:  # pragma: no cover
+        return 132
+
+
+def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False):
+    """The persistent decode kernel (`decode(..., ring=R)`): NCTA CTAs, the largest divisor of the
+    tile count (tile = (sequence, value head, V tile)) that is at most R x SMs, so that every CTA
+    steps the same number m of tiles (c, c + NCTA, ...) in a statically unrolled loop: the pool
+    is a JAX Ref (in place), and a cond or loop around a JAX Ref does not trace inside
+    `plgpu.kernel` (JaxprInputEffect error, JAX 0.10). Two SMEM stages: tile i + 1's TMA loads run
+    while tile i is reduced and stored. Returns None where m would exceed MAX_RING_UNROLL."""
+    q, k, v, g, beta, slots, reset = ins
+    N, _, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    NVT = V // vt
+    tiles = N * HV * NVT
+    plan = ring_plan(tiles, per_sm, sms=1 if interpret else None)  # interpret: as on one SM, so CTAs walk
+    if plan is None:
+        return None
+    ncta, m = plan
+    f32 = jnp.float32
+    tiled = {} if interpret else _f32_tiled()
+
+    def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_r, o_ref,
+             s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar):
+        cta = lax.axis_index("cta")
+
+        def coords(i):
+            w = cta + i * ncta
+            nh = w // NVT
+            n, h = nh // HV, lax.rem(nh, HV)
+            return n, h, lax.rem(w, NVT) * vt, (slot_ref[n] * L + layer) * HV + h
+
+        def issue(i, st, pr):
+            n, h, v0, row = coords(i)
+            b = bar.at[st]
+            plgpu.copy_gmem_to_smem(pr.at[row, :, pl.ds(v0, vt)], s_smem.at[st], b)
+            plgpu.copy_gmem_to_smem(q_ref.at[n, h // G], q_smem.at[st], b)
+            plgpu.copy_gmem_to_smem(k_ref.at[n, h // G], k_smem.at[st], b)
+            plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem.at[st], b)
+            plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem.at[st], b)
+
+        issue(0, 0, pool_r)
+
+        load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
+
+        def step(i, pr):
+            st = i % 2
+
+            if i + 1 < m:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile i - 1's stores have read stage 1 - st
+                issue(i + 1, 1 - st, pr)
+
+            n, h, v0, row = coords(i)
+            bt = b_ref[n, h].astype(f32)
+            rs = reset_ref[n]
+            plgpu.barrier_wait(bar.at[st])
+            qv = load(q_smem.at[st], ROW).astype(f32)
+            if scale != 1.0:
+                qv = qv * scale
+            kv = load(k_smem.at[st], ROW).astype(f32)
+            ev = jnp.exp(load(g_smem.at[st], ROW).astype(f32))
+            vv = load(v_smem.at[st], COL).astype(f32)
+            S, o = _delta_step(load(s_smem.at[st], WGMMA), qv, kv, ev, vv, bt, rs)
+            s_smem.at[st][...] = S
+            o_smem.at[st][...] = o
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_smem.at[st], pr.at[row, :, pl.ds(v0, vt)])
+            plgpu.copy_smem_to_gmem(o_smem.at[st], o_ref.at[n, h, pl.ds(v0, vt)])
+
+        for i in range(m):
+            step(i, pool_r)
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((2, K, vt), f32, **tiled),
+        plgpu.SMEM((2, K), q.dtype),
+        plgpu.SMEM((2, K), k.dtype),
+        plgpu.SMEM((2, K), g.dtype),
+        plgpu.SMEM((2, vt), v.dtype),
+        plgpu.SMEM((2, vt), f32),
+        plgpu.Barrier(num_arrivals=5, num_barriers=2),
+    ]
+    pool_ref = jax.new_ref(pool3)
+    o = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((N, HV, V), f32), grid=(ncta,), grid_names=("cta",),
+        scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_ring_mgpu",
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+    )(*ins, pool_ref)
+    return o, pool_ref[...]
 
 
 # ---- chunked prefill: intra-chunk prep -----------------------------------------------------
@@ -325,7 +445,8 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 gs_s[1] = g_lo
                 plgpu.commit_smem()
 
-            pl.run_scoped(load_g, smem((C, K), f32))
+            with jax.named_scope("load"):
+                pl.run_scoped(load_g, smem((C, K), f32))
 
             # level of each pair, plus one: 1 + the highest bit of t ^ i, 0 on the diagonal (kept
             # non-negative: these int arrays compare unsigned); level l's pairs are t > i with
@@ -358,30 +479,33 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                     akk, aqk = (sk, sq) if akk is None else (akk + sk, aqk + sq)
                 return akk, aqk
 
-            akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
-            qk = mm([(load(q_s, WGMMA), ("T", k_s))], (C, C))
-            store_out((aqk + jnp.where(ti() == ii(), qk, 0.0)) * scale, aqk_ref.at[c, h])
+            with jax.named_scope("levels"):
+                akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
+            with jax.named_scope("aqk_out"):
+                qk = mm([(load(q_s, WGMMA), ("T", k_s))], (C, C))
+                store_out((aqk + jnp.where(ti() == ii(), qk, 0.0)) * scale, aqk_ref.at[c, h])
 
             # per-token outputs: G, G_C - G -> gl, kd, qg; the right-hand sides (beta exp(G) k,
             # beta v) go over the g split, whose last reads are G and G_C - G
-            G = dsum(jnp.where(ii() <= ti(), 1.0, 0.0))
-            dl = dsum(jnp.where(ii() > ti(), 1.0, 0.0))
-            store_out(jnp.exp(jnp.sum(jnp.where(it((C, K), 0) == C - 1, G, 0.0), axis=0)), gl_ref.at[c, h], f32)
-            kk = ld(k_s)
-            store_out(kk * jnp.exp(dl), kd_ref.at[c, h])
-            eG = jnp.exp(G)
-            bt = load(b_s, ROW)
-            gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)
+            with jax.named_scope("token_outs"):
+                G = dsum(jnp.where(ii() <= ti(), 1.0, 0.0))
+                dl = dsum(jnp.where(ii() > ti(), 1.0, 0.0))
+                store_out(jnp.exp(jnp.sum(jnp.where(it((C, K), 0) == C - 1, G, 0.0), axis=0)), gl_ref.at[c, h], f32)
+                kk = ld(k_s)
+                store_out(kk * jnp.exp(dl), kd_ref.at[c, h])
+                eG = jnp.exp(G)
+                bt = load(b_s, ROW)
+                gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)
 
-            def load_v(v_s):
-                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(tok, C), h], v_s, vbar.at[0])
-                plgpu.barrier_wait(vbar.at[0])
-                gs_s[1] = jnp.where(live(V), ld(v_s) * _bc_rows(bt, (C, V)), 0.0).astype(bf)
+                def load_v(v_s):
+                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(tok, C), h], v_s, vbar.at[0])
+                    plgpu.barrier_wait(vbar.at[0])
+                    gs_s[1] = jnp.where(live(V), ld(v_s) * _bc_rows(bt, (C, V)), 0.0).astype(bf)
 
-            pl.run_scoped(load_v, smem((C, V), bf))
-            q_s[...] = (ld(q_s) * (eG * scale)).astype(bf)  # qg, stored last
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_s, qg_ref.at[c, h])
+                pl.run_scoped(load_v, smem((C, V), bf))
+                q_s[...] = (ld(q_s) * (eG * scale)).astype(bf)  # qg, stored last
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_s, qg_ref.at[c, h])
 
             # (I + A)^-1, A = beta * akk (rows past cnt are 0: k is 0 there): the 16 x 16 diagonal
             # blocks by Neumann doubling, then the merge (I - M)(I + M^2) D^-1
@@ -406,10 +530,12 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 Y = Dinv + mm3(mm3(M, M), Dinv)
                 return (Y - mm3(M, Y)).astype(bf)
 
-            Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))
-            store_out(mm([(Tinv, gs_s.at[0])], (C, K)), w_ref.at[c, h])
-            store_out(mm([(Tinv, gs_s.at[1])], (C, V)), u0_ref.at[c, h])
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("solve"):
+                Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))
+            with jax.named_scope("w_u0"):
+                store_out(mm([(Tinv, gs_s.at[0])], (C, K)), w_ref.at[c, h])
+                store_out(mm([(Tinv, gs_s.at[1])], (C, V)), u0_ref.at[c, h])
+                plgpu.wait_smem_to_gmem(0)
 
     sds = jax.ShapeDtypeStruct
     f = plgpu.kernel(
