@@ -294,7 +294,8 @@ def main(argv=None):
                         pool = pool.at[:N, 0].set(t2j(h0))
                     slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
                     no_reset = jnp.zeros((N,), bool)
-                    R = 4 if ring else 16  # ring: tiles unrolled per CTA; 16 launches in one jit did not compile within 3 min on the H200
+                    # ring: tiles unrolled per CTA; 16 launches in one jit did not compile within 3 min on the H200
+                    R = 4 if ring else 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
                                                       layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts,
                                                       ring=ring)

@@ -73,6 +73,8 @@ def _bf16_tiled(cols):
 # The decode kernel is written for Lane semantics (the default on JAX 0.10; JAX 0.11.2 defaults
 # to Warpgroup semantics, which rejects its scalar-predicate select: seen on the H200).
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 def _pallas_call_available() -> bool:
     try:
         from jax._src.pallas import core as pallas_core
@@ -88,10 +90,16 @@ def default_decode_api() -> str:
     return "pallas_call" if _pallas_call_available() else "ref"
 
 
-def _delta_step(S, qv, kv, ev, vv, bt, rs):
-    """One gated delta step on a [K, vt] state tile (WGMMA layout, f32) with the token's q, k,
-    exp(g) as row vectors and v as a column vector: -> (new tile, o [vt]). rs != 0: the tile
-    starts from zero (a reset slot is never read)."""
+def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale):
+    """One gated delta step on a [K, vt] f32 state tile in SMEM (read in the WGMMA layout), with the
+    token's q, k, g [K] and v [vt] in SMEM: -> (new tile, o [vt]), f32. rs != 0: the tile starts
+    from zero (a reset slot is never read)."""
+    ld = lambda ref, layout: plgpu.load(ref, (), layout=layout).astype(jnp.float32)
+    qv = ld(q_ref, ROW)
+    if scale != 1.0:
+        qv = qv * scale
+    kv, ev, vv = ld(k_ref, ROW), jnp.exp(ld(g_ref, ROW)), ld(v_ref, COL)
+    S = plgpu.load(s_ref, (), layout=WGMMA)
     shape = S.shape
     S = jnp.where(rs != 0, 0.0, S) * _bc_rows(ev, shape)
     kb = _bc_rows(kv, shape)
@@ -100,8 +108,7 @@ def _delta_step(S, qv, kv, ev, vv, bt, rs):
     return S, jnp.sum(S * _bc_rows(qv, shape), axis=0)
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True, ring=0,
-           interpret=False):
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True, ring=0):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -117,8 +124,8 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
 
     ring: 0 (v1: one CTA per (sequence, head, V tile)) or R > 0 (v3, api "ref" only): a persistent
     grid of R CTAs per SM, each walking its tiles (every NCTA-th) with a 2-stage TMA ring: the next
-    tile's state and vectors load while this one is stepped and stored. interpret: Mosaic GPU
-    interpret mode (CPU tests; `ring` only, as if on one SM: R CTAs walk all tiles)."""
+    tile's state and vectors load while this one is stepped and stored (GPU only: the "ref" api
+    does not trace on JAX 0.10, so there is no interpret-mode check of it)."""
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
@@ -148,13 +155,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
         plgpu.barrier_wait(bar.at[0])
-        qv = plgpu.load(q_smem, (), layout=ROW).astype(f32)
-        if scale != 1.0:
-            qv = qv * scale
-        kv = plgpu.load(k_smem, (), layout=ROW).astype(f32)
-        ev = jnp.exp(plgpu.load(g_smem, (), layout=ROW).astype(f32))
-        vv = plgpu.load(v_smem, (), layout=COL).astype(f32)
-        S, o = _delta_step(plgpu.load(s_smem, (), layout=WGMMA), qv, kv, ev, vv, bt, rs)
+        S, o = _tile_step(s_smem, q_smem, k_smem, g_smem, v_smem, bt, rs, scale)
         s_smem[...] = S
         o_smem[...] = o
         plgpu.commit_smem()
@@ -176,7 +177,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     if ring:
         if api != "ref":
             raise ValueError(f"the ring decode kernel updates the pool through a JAX Ref (api='ref'), got {api!r}")
-        out = _decode_ring(ins, pool3, layer=layer, L=L, G=G, vt=vt, scale=scale, per_sm=ring, interpret=interpret)
+        out = _decode_ring(ins, pool3, layer=layer, L=L, G=G, vt=vt, scale=scale, per_sm=ring)
         if out is not None:
             return out[0], out[1].reshape(pool.shape)
     if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
@@ -245,7 +246,7 @@ def _sm_count() -> int:
         return 132
 
 
-def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False):
+def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm):
     """The persistent decode kernel (`decode(..., ring=R)`): NCTA CTAs, the largest divisor of the
     tile count (tile = (sequence, value head, V tile)) that is at most R x SMs, so that every CTA
     steps the same number m of tiles (c, c + NCTA, ...) in a statically unrolled loop: the pool
@@ -257,12 +258,11 @@ def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False)
     HV, V = v.shape[1], v.shape[2]
     NVT = V // vt
     tiles = N * HV * NVT
-    plan = ring_plan(tiles, per_sm, sms=1 if interpret else None)  # interpret: as on one SM, so CTAs walk
+    plan = ring_plan(tiles, per_sm)
     if plan is None:
         return None
     ncta, m = plan
     f32 = jnp.float32
-    tiled = {} if interpret else _f32_tiled()
 
     def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_r, o_ref,
              s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar):
@@ -285,8 +285,6 @@ def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False)
 
         issue(0, 0, pool_r)
 
-        load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
-
         def step(i, pr):
             st = i % 2
 
@@ -298,13 +296,7 @@ def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False)
             bt = b_ref[n, h].astype(f32)
             rs = reset_ref[n]
             plgpu.barrier_wait(bar.at[st])
-            qv = load(q_smem.at[st], ROW).astype(f32)
-            if scale != 1.0:
-                qv = qv * scale
-            kv = load(k_smem.at[st], ROW).astype(f32)
-            ev = jnp.exp(load(g_smem.at[st], ROW).astype(f32))
-            vv = load(v_smem.at[st], COL).astype(f32)
-            S, o = _delta_step(load(s_smem.at[st], WGMMA), qv, kv, ev, vv, bt, rs)
+            S, o = _tile_step(*(r.at[st] for r in (s_smem, q_smem, k_smem, g_smem, v_smem)), bt, rs, scale)
             s_smem.at[st][...] = S
             o_smem.at[st][...] = o
             plgpu.commit_smem()
@@ -316,7 +308,7 @@ def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((2, K, vt), f32, **tiled),
+        plgpu.SMEM((2, K, vt), f32, **_f32_tiled()),
         plgpu.SMEM((2, K), q.dtype),
         plgpu.SMEM((2, K), k.dtype),
         plgpu.SMEM((2, K), g.dtype),
@@ -328,7 +320,6 @@ def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm, interpret=False)
     o = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((N, HV, V), f32), grid=(ncta,), grid_names=("cta",),
         scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_ring_mgpu",
-        **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )(*ins, pool_ref)
     return o, pool_ref[...]
 
