@@ -4,8 +4,6 @@ One real subprocess runs the CLI while the in-process tests run; every in-proces
 one shape set (prompt <= 64 tokens, 4 pages of 4 tokens), so the tiny model compiles once per step kind.
 """
 
-import os
-import re
 import subprocess
 import sys
 
@@ -17,6 +15,7 @@ from k3jax.cli import main
 from k3jax.engine.simple import generate_stream
 from k3jax.sampling import SamplingParams
 from k3jax.tokenizer import IncrementalDecoder
+from tests import one_device_env
 
 PROMPT = "Hello"
 N_NEW = 8
@@ -26,10 +25,8 @@ PAGE = 4  # 5 prompt + 8 new tokens span 4 pages: decode crosses page boundaries
 def _cli(*args):
     # a user's environment: one device, XLA:CPU's default thread pools (not this suite's 8 host devices
     # and PJRT_NPROC, tests/conftest.py); unoptimised XLA code compiles ~2x faster, the tokens are the same
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONIOENCODING="utf-8",
-               XLA_FLAGS=flags + " --xla_backend_optimization_level=0")
-    env.pop("PJRT_NPROC", None)
+    env = one_device_env(JAX_PLATFORMS="cpu", PYTHONIOENCODING="utf-8")
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
     return subprocess.Popen([sys.executable, "-m", "k3jax.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
 

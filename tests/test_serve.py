@@ -2,8 +2,8 @@
 
 One server for the whole module (k3-tiny, single-bucket step shapes: 2 compiles), started first
 so that it warms up while this process builds the `LLM.generate` reference with the same engine
-settings and weights seed. The server runs without this suite's PJRT_NPROC=32 / 8-host-device
-settings (it needs one device; 32 XLA:CPU threads on 2 cores make its steps ~8x slower).
+settings and weights seed. The server runs without this suite's PJRT_NPROC / 8-host-device
+settings (`tests.one_device_env`: it needs one device; 32 XLA:CPU threads on 2 cores made its steps ~8x slower).
 The SIGTERM test stops the shared server, so it runs last.
 """
 
@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serve import pb
 from serve.metrics import NAMES as METRIC_NAMES
 from serve.server import stop_process, wait_listening
+from tests import one_device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
@@ -57,9 +58,7 @@ PROMPTS = _prompts()
 
 
 def _server_env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("PJRT_NPROC", None)
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env = one_device_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
