@@ -200,8 +200,8 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32, "
-                         "v3 persistent ring) are timed too")
+                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32) "
+                         "are timed too")
     ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
@@ -260,9 +260,8 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            variants = [(None, 64, True, 0)] + ([(None, 64, False, 0), ("scatter", 64, True, 0), (None, 128, True, 0),
-                                                 (None, 32, True, 0), ("ref", 64, True, 3), ("ref", 32, True, 4)]
-                                                if N in args.variant_batch else [])
+            variants = [(None, 64, True)] + ([(None, 64, False), ("scatter", 64, True), (None, 128, True), (None, 32, True)]
+                                             if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
@@ -273,15 +272,10 @@ def main(argv=None):
                     o_fla, ht_fla = f()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt, xla_casts, ring in variants:
+            for api, vt, xla_casts in variants:
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"api": api or mgpu.default_decode_api(), "vt": vt,
-                                   "version": f"v3 ring {ring}/SM" if ring else "v1 (XLA casts)" if xla_casts else "v2"}}
-                if ring:
-                    plan = mgpu.ring_plan(N * H * (128 // vt), ring)
-                    if plan is None:
-                        continue
-                    row["variant"]["ctas"], row["variant"]["tiles_per_cta"] = plan
+                                   "version": "v1 (XLA casts)" if xla_casts else "v2"}}
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -294,11 +288,9 @@ def main(argv=None):
                         pool = pool.at[:N, 0].set(t2j(h0))
                     slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
                     no_reset = jnp.zeros((N,), bool)
-                    # ring: tiles unrolled per CTA; 16 launches in one jit did not compile within 3 min on the H200
-                    R = 4 if ring else 16
+                    R = 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts,
-                                                      ring=ring)
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))

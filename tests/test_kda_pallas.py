@@ -268,21 +268,3 @@ def test_spec_mosaic_gpu_kernels_lower_for_cuda():
     i = sd((R,), jnp.int32)
     e = _export_cuda(sk.fold_mgpu, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
     assert "mosaic_gpu" in e.mlir_module()
-
-
-def test_ring_plan_splits_tiles_evenly_within_the_cap():
-    """The ring decode kernel is statically unrolled, so every CTA must get the same number of
-    tiles: the plan's CTA count divides the tile count, stays within R CTAs per SM, and the
-    per-CTA count never exceeds MAX_RING_UNROLL (None: `decode` runs the one-tile-per-CTA kernel)."""
-    from pallas_kernels.kda import mgpu
-
-    for tiles in (1, 24, 528, 1024, 6120, 6144, 24576, 49152, 2 * 1009):
-        for per_sm in (1, 3, 4):
-            plan = mgpu.ring_plan(tiles, per_sm, sms=132)
-            best = max(c for c in range(1, min(tiles, per_sm * 132) + 1) if tiles % c == 0)
-            if tiles // best > mgpu.MAX_RING_UNROLL:
-                assert plan is None
-                continue
-            ncta, m = plan
-            assert ncta == best and ncta * m == tiles and ncta <= per_sm * 132
-    assert mgpu.ring_plan(6144, 3, sms=132) == (384, 16)

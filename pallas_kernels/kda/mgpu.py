@@ -108,7 +108,7 @@ def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale):
     return S, jnp.sum(S * _bc_rows(qv, shape), axis=0)
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True, ring=0):
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -121,11 +121,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
     v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md).
-
-    ring: 0 (v1: one CTA per (sequence, head, V tile)) or R > 0 (v3, api "ref" only): a persistent
-    grid of R CTAs per SM, each walking its tiles (every NCTA-th) with a 2-stage TMA ring: the next
-    tile's state and vectors load while this one is stepped and stored (GPU only: the "ref" api
-    does not trace on JAX 0.10, so there is no interpret-mode check of it)."""
+    """
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
@@ -174,12 +170,6 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     ]
     o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
     ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
-    if ring:
-        if api != "ref":
-            raise ValueError(f"the ring decode kernel updates the pool through a JAX Ref (api='ref'), got {api!r}")
-        out = _decode_ring(ins, pool3, layer=layer, L=L, G=G, vt=vt, scale=scale, per_sm=ring)
-        if out is not None:
-            return out[0], out[1].reshape(pool.shape)
     if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
         pool_ref = jax.new_ref(pool3)
 
@@ -226,102 +216,6 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         name="kda_decode_mgpu",
     )(*ins, pool3)
     return o, pool3.reshape(pool.shape)
-
-
-MAX_RING_UNROLL = 64  # tiles per CTA in the ring decode kernel (statically unrolled)
-
-
-def ring_plan(tiles: int, per_sm: int, sms: int | None = None):
-    """(CTAs, tiles per CTA) of the ring decode kernel for `tiles` tiles, or None where every
-    divisor split needs more than MAX_RING_UNROLL tiles per CTA (then `decode` runs v1)."""
-    cap = per_sm * (sms or _sm_count())
-    ncta = next(c for c in range(min(tiles, cap), 0, -1) if tiles % c == 0)
-    return None if tiles // ncta > MAX_RING_UNROLL else (ncta, tiles // ncta)
-
-
-def _sm_count() -> int:
-    try:
-        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
-    except Exception:  # pragma: no cover
-        return 132
-
-
-def _decode_ring(ins, pool3, *, layer, L, G, vt, scale, per_sm):
-    """The persistent decode kernel (`decode(..., ring=R)`): NCTA CTAs, the largest divisor of the
-    tile count (tile = (sequence, value head, V tile)) that is at most R x SMs, so that every CTA
-    steps the same number m of tiles (c, c + NCTA, ...) in a statically unrolled loop: the pool
-    is a JAX Ref (in place), and a cond or loop around a JAX Ref does not trace inside
-    `plgpu.kernel` (JaxprInputEffect error, JAX 0.10). Two SMEM stages: tile i + 1's TMA loads run
-    while tile i is reduced and stored. Returns None where m would exceed MAX_RING_UNROLL."""
-    q, k, v, g, beta, slots, reset = ins
-    N, _, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    NVT = V // vt
-    tiles = N * HV * NVT
-    plan = ring_plan(tiles, per_sm)
-    if plan is None:
-        return None
-    ncta, m = plan
-    f32 = jnp.float32
-
-    def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_r, o_ref,
-             s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar):
-        cta = lax.axis_index("cta")
-
-        def coords(i):
-            w = cta + i * ncta
-            nh = w // NVT
-            n, h = nh // HV, lax.rem(nh, HV)
-            return n, h, lax.rem(w, NVT) * vt, (slot_ref[n] * L + layer) * HV + h
-
-        def issue(i, st, pr):
-            n, h, v0, row = coords(i)
-            b = bar.at[st]
-            plgpu.copy_gmem_to_smem(pr.at[row, :, pl.ds(v0, vt)], s_smem.at[st], b)
-            plgpu.copy_gmem_to_smem(q_ref.at[n, h // G], q_smem.at[st], b)
-            plgpu.copy_gmem_to_smem(k_ref.at[n, h // G], k_smem.at[st], b)
-            plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem.at[st], b)
-            plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem.at[st], b)
-
-        issue(0, 0, pool_r)
-
-        def step(i, pr):
-            st = i % 2
-
-            if i + 1 < m:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # tile i - 1's stores have read stage 1 - st
-                issue(i + 1, 1 - st, pr)
-
-            n, h, v0, row = coords(i)
-            bt = b_ref[n, h].astype(f32)
-            rs = reset_ref[n]
-            plgpu.barrier_wait(bar.at[st])
-            S, o = _tile_step(*(r.at[st] for r in (s_smem, q_smem, k_smem, g_smem, v_smem)), bt, rs, scale)
-            s_smem.at[st][...] = S
-            o_smem.at[st][...] = o
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(s_smem.at[st], pr.at[row, :, pl.ds(v0, vt)])
-            plgpu.copy_smem_to_gmem(o_smem.at[st], o_ref.at[n, h, pl.ds(v0, vt)])
-
-        for i in range(m):
-            step(i, pool_r)
-        plgpu.wait_smem_to_gmem(0)
-
-    scratch = [
-        plgpu.SMEM((2, K, vt), f32, **_f32_tiled()),
-        plgpu.SMEM((2, K), q.dtype),
-        plgpu.SMEM((2, K), k.dtype),
-        plgpu.SMEM((2, K), g.dtype),
-        plgpu.SMEM((2, vt), v.dtype),
-        plgpu.SMEM((2, vt), f32),
-        plgpu.Barrier(num_arrivals=5, num_barriers=2),
-    ]
-    pool_ref = jax.new_ref(pool3)
-    o = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((N, HV, V), f32), grid=(ncta,), grid_names=("cta",),
-        scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_ring_mgpu",
-    )(*ins, pool_ref)
-    return o, pool_ref[...]
 
 
 # ---- chunked prefill: intra-chunk prep -----------------------------------------------------
