@@ -370,6 +370,10 @@ def main(argv=None):
             row["prep_version"] = PREP_VERSION
             inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
             row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
+            # the inter kernel with 32-wide V tiles: twice the CTAs (one sequence x 12 heads is 24
+            # CTAs at vt 64 on 132 SMs), each chunk's products half as wide
+            inter32 = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=32))
+            row["inter_vt32_ms"] = jax_ms(lambda: ([inter32(*ops) for _ in range(R)], R))
             ops = None
             if spec == args.breakdown:  # the XLA prep (same algorithm) for comparison
                 prep_x = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="xla"))

@@ -183,10 +183,12 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         assert "mosaic_gpu" in e.mlir_module()
     T = 200
-    ch = functools.partial(mgpu.chunk, scale=K**-0.5)
-    e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf), sd((1, T, HV, K), jnp.float32),
-                     sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
-    assert "mosaic_gpu" in e.mlir_module()
+    for vt in (64, 32):  # the inter kernel's V tile (32: its A operands take 64-byte swizzles)
+        ch = functools.partial(mgpu.chunk, scale=K**-0.5, vt=vt)
+        e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf),
+                         sd((1, T, HV, K), jnp.float32), sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32),
+                         sd((4,), jnp.int32))
+        assert "mosaic_gpu" in e.mlir_module()
 
 
 # ---- speculative verify-with-capture and the ReplaySSM fold -------------------------------------

@@ -62,8 +62,8 @@ def _f32_tiled():
     return dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
 
 
-def _bf16_tiled(cols):
-    sw = min(128, cols * 2)
+def _bf16_tiled(cols, max_swizzle=128):
+    sw = min(max_swizzle, cols * 2)
     return dict(transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
 
 
@@ -548,10 +548,11 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
         grid=(NS, HV, V // vt),
         grid_names=("seq", "head", "vtile"),
         scratch_types=[
-            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K)),
-            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K)),
-            plgpu.SMEM((2, K, C), jnp.bfloat16, **_bf16_tiled(C)),
-            plgpu.SMEM((2, C, C), jnp.bfloat16, **_bf16_tiled(C)),
+            # the A operands' swizzle must match their B operands' ([*, vt] tiles: 2 * vt bytes a row)
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K, 2 * vt)),
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K, 2 * vt)),
+            plgpu.SMEM((2, K, C), jnp.bfloat16, **_bf16_tiled(C, 2 * vt)),
+            plgpu.SMEM((2, C, C), jnp.bfloat16, **_bf16_tiled(C, 2 * vt)),
             plgpu.SMEM((2, C, vt), jnp.bfloat16, **_bf16_tiled(vt)),
             plgpu.SMEM((2, K), jnp.float32),
             plgpu.SMEM((K, vt), jnp.bfloat16, **_bf16_tiled(vt)),

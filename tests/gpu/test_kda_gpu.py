@@ -67,8 +67,9 @@ def test_decode_in_place(N, H, HV):
     np.testing.assert_array_equal(p[:, 0], pool_np[:, 0])
 
 
-@pytest.mark.parametrize("H,HV", [(12, 12), (4, 8)])
-def test_varlen_chunk(H, HV):
+@pytest.mark.parametrize("H,HV,vt", [(12, 12, 64), (4, 8, 64), (4, 8, 32)])
+def test_varlen_chunk(H, HV, vt):
+    """vt: the inter kernel's V tile (64 through `kda_chunk`; 32: twice the CTAs, 64-byte swizzles)."""
     lens = [0, 1, 63, 64, 65, 1000, 130, 0, 2048]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     T = int(cu[-1]) + 37  # padding tokens
@@ -76,7 +77,12 @@ def test_varlen_chunk(H, HV):
     q, k, v, g, beta = make(key, (1, T), H, HV)
     h0 = jax.random.normal(jax.random.key(3), (len(lens), HV, 128, 128), jnp.float32) * 0.05
     cu = jnp.asarray(cu)
-    fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], impl="pallas"))
+    if vt == 64:
+        fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], impl="pallas"))
+    else:
+        from pallas_kernels.kda import mgpu
+
+        fn = jax.jit(functools.partial(mgpu.chunk, scale=None, vt=vt))
     o, ht = fn(q, k, v, g, beta, h0, cu)
     with jax.default_matmul_precision("highest"):
         o_r, ht_r = kda_chunk_varlen_ref(*map(f32ref, (q, k, v, g, beta)), None, h0, cu, 64)
