@@ -368,6 +368,9 @@ def main(argv=None):
             ops = prep(*jin)
             row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
             row["prep_version"] = PREP_VERSION
+            # v6: the same kernel with its levels and Neumann doubling as loops (opt-in until measured)
+            prep6 = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="mgpu_loop"))
+            row["prep_loop_ms"] = jax_ms(lambda: ([prep6(*jin) for _ in range(R)], R))
             inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
             row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
             # the inter kernel with 32-wide V tiles: twice the CTAs (one sequence x 12 heads is 24

@@ -138,7 +138,8 @@ def test_matmul_form_prep_matches_reference(gate):
             assert err < (2e-3 if c == 0 else 1e-4), (name, c, err)
 
 
-def test_prep_kernel_in_interpret_mode():
+@pytest.mark.parametrize("prep", ["mgpu", "mgpu_loop"])
+def test_prep_kernel_in_interpret_mode(prep):
     """The Mosaic GPU prep kernel itself, run by Mosaic GPU interpret mode on the CPU, gives the
     XLA prep's chunk operands: varlen with an empty sequence, partial chunks, padding tokens and
     two value heads per q/k head (the same check tests/gpu runs on the H200)."""
@@ -151,7 +152,7 @@ def test_prep_kernel_in_interpret_mode():
     q, k, v, g, beta = inputs(rng, (1, T), H, HV, K, V)
     q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
     args = (q, k, v, g, beta, None, cu)
-    got = mgpu.chunk_operands(*args, scale=None, interpret=True)
+    got = mgpu.chunk_operands(*args, scale=None, interpret=True, prep=prep)
     with jax.default_matmul_precision("highest"):
         want = mgpu.chunk_operands(*args, scale=None, prep="xla")
     live = np.asarray(got[-1]) > 0
@@ -183,8 +184,10 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         assert "mosaic_gpu" in e.mlir_module()
     T = 200
-    for vt in (64, 32):  # the inter kernel's V tile (32: its A operands take 64-byte swizzles)
-        ch = functools.partial(mgpu.chunk, scale=K**-0.5, vt=vt)
+    # the inter kernel's V tile (32: its A operands take 64-byte swizzles); the prep kernel unrolled
+    # (v4) and with loops (v6)
+    for vt, prep in ((64, "mgpu"), (32, "mgpu"), (64, "mgpu_loop")):
+        ch = functools.partial(mgpu.chunk, scale=K**-0.5, vt=vt, prep=prep)
         e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf),
                          sd((1, T, HV, K), jnp.float32), sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32),
                          sd((4,), jnp.int32))

@@ -237,7 +237,7 @@ def _bf16_split(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False):
+def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False, loops=False):
     """Intra-chunk prep (`prep.chunk_prep`'s algorithm) as one Mosaic GPU kernel: one CTA (one
     warpgroup) per (chunk, value head), its inputs TMA-loaded from chunk rows.
 
@@ -246,7 +246,9 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     its token count (0: a dead chunk, skipped) and cval [NC] its count of real tokens (rows from
     cval on are zeroed after the load, so chunks of padding come out zero). Returns the
     chunk-layout operands w, qg, kd [NC, HV, C, K] bf16, u0 [NC, HV, C, V] bf16, aqk
-    [NC, HV, C, C] bf16 and gl [NC, HV, K] f32. interpret: Mosaic GPU interpret mode (CPU).
+    [NC, HV, C, C] bf16 and gl [NC, HV, K] f32. interpret: Mosaic GPU interpret mode (CPU). loops
+    (v6): the six levels and the Neumann doubling as `lax.fori_loop`s, one copy of each body in
+    the kernel's code, instead of unrolled (v4: ~21k straight-line PTX instructions per thread).
 
     On the tensor cores (bf16 operands, f32 accumulation): the decay sums D = S g with g split in
     two bf16 parts (S in {-1, 0, 1}: exact); the level scores in bf16 (like the inter kernel's
@@ -342,10 +344,14 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 lev1 = lev1 + jnp.where(x >= (1 << bit), 1, 0)
 
             def levels(r_s):
-                akk = aqk = None
+                # one level per iteration of a (not unrolled) loop: the level is a runtime value,
+                # so the compiler cannot hoist the masks and products of all six levels at once
                 rT = ("T", r_s)
-                for lv in reversed(range(nl)):
-                    b = 1 << lv
+
+                def level(j, carry):
+                    akk, aqk = carry
+                    lv = nl - 1 - j
+                    b = jnp.left_shift(jnp.int32(1), lv)
                     t_, i_ = ti(), ii()
                     tb = (t_ & b) != 0
                     S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)
@@ -360,9 +366,15 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
                     sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))
                     sel = (lev1 == lv + 1) & (ti() > ii())
-                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
-                    akk, aqk = (sk, sq) if akk is None else (akk + sk, aqk + sq)
-                return akk, aqk
+                    return akk + jnp.where(sel, sk, 0.0), aqk + jnp.where(sel, sq, 0.0)
+
+                zero = jnp.zeros((C, C), f32) if interpret else plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)
+                if loops:
+                    return lax.fori_loop(0, nl, level, (zero, zero))
+                carry = (zero, zero)
+                for j in range(nl):
+                    carry = level(j, carry)
+                return carry
 
             with jax.named_scope("levels"):
                 akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
@@ -408,9 +420,16 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 diag = lambda: (ti() >> 4) == (ii() >> 4)
                 N = jnp.where(diag(), -A, 0.0)
                 Dinv = jnp.where(ti() == ii(), 1.0, 0.0) + N
-                for _ in range(3):
+                def neumann(_, carry):
+                    N, Dinv = carry
                     N = mm3(N, N)
-                    Dinv = Dinv + mm3(Dinv, N)
+                    return N, Dinv + mm3(Dinv, N)
+
+                if loops:
+                    N, Dinv = lax.fori_loop(0, 3, neumann, (N, Dinv))
+                else:
+                    for j in range(3):
+                        N, Dinv = neumann(j, (N, Dinv))
                 M = mm3(Dinv, jnp.where(diag(), 0.0, A))
                 Y = Dinv + mm3(mm3(M, M), Dinv)
                 return (Y - mm3(M, Y)).astype(bf)
@@ -571,7 +590,8 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
 def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=64, prep="mgpu"):
     """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
     initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
-    final_state [N, HV, K, V] f32). prep: "mgpu" (the prep kernel) or "xla" (`prep.chunk_prep`)."""
+    final_state [N, HV, K, V] f32). prep: "mgpu" (the prep kernel), "mgpu_loop" (the prep kernel with
+    its levels and Neumann doubling as loops: v6, opt-in until measured) or "xla" (`prep.chunk_prep`)."""
     ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep)
     o, ht = _chunk_inter_call(*ops, q.shape[1], vt=vt)
     return o[None], ht[: cu_seqlens.shape[0] - 1]
@@ -595,7 +615,7 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
     bf = jnp.bfloat16
     ctok = tab.token_idx[:, 0]
     cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
-    if prep == "mgpu":
+    if prep in ("mgpu", "mgpu_loop"):
         # chunks gathered into 64-aligned rows (one pass over the inputs, in their own dtypes)
         cval = jnp.sum(valid, axis=1).astype(jnp.int32)
         rows = jnp.clip(tab.token_idx, 0, T - 1).reshape(-1)
@@ -603,6 +623,7 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
         w, qg, kd, u0, aqk, gl = _chunk_prep_call(
             rg(q, bf), rg(k, bf), rg(v, bf), rg(g, jnp.float32), jnp.swapaxes(rg(beta, jnp.float32), 0, 1),
             jnp.arange(ctok.shape[0], dtype=jnp.int32) * C, cnum, cval, scale=scale, interpret=interpret,
+            loops=prep == "mgpu_loop",
         )
     elif prep == "xla":
         idx = jnp.clip(tab.token_idx, 0, T - 1)

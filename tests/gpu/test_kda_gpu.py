@@ -93,8 +93,9 @@ def test_varlen_chunk(H, HV, vt):
         assert rel_err(ht[i], ht_r[i]) < 1e-2, i
 
 
+@pytest.mark.parametrize("prep", ["mgpu", "mgpu_loop"])
 @pytest.mark.parametrize("gate", [0.25, 8.0])
-def test_chunk_prep_kernel(gate):
+def test_chunk_prep_kernel(gate, prep):
     """The prep kernel's operands against the XLA prep (`prep.chunk_prep`, f32) chunk by chunk,
     with weak and strong gates (g down to ~ -40 per token: every cross-chunk decay underflows)."""
     from pallas_kernels.kda import mgpu
@@ -104,7 +105,7 @@ def test_chunk_prep_kernel(gate):
     T = int(cu[-1]) + 11
     q, k, v, g, beta = make(jax.random.key(np.random.randint(1 << 30)), (1, T), 2, 4)
     g = g * gate
-    ops = jax.jit(lambda *a: mgpu.chunk_operands(*a[:5], None, a[5], scale=None))(q, k, v, g, beta, cu)
+    ops = jax.jit(lambda *a: mgpu.chunk_operands(*a[:5], None, a[5], scale=None, prep=prep))(q, k, v, g, beta, cu)
     with jax.default_matmul_precision("highest"):
         ref = jax.jit(lambda *a: mgpu.chunk_operands(*a[:5], None, a[5], scale=None, prep="xla"))(
             *map(f32ref, (q, k, v, g, beta)), cu)
