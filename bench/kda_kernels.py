@@ -200,8 +200,8 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32) "
-                         "are timed too")
+                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32, "
+                         "v4 direct at vt=32) are timed too (v4 direct at vt=64: every batch)")
     ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
@@ -260,8 +260,10 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            variants = [(None, 64, True)] + ([(None, 64, False), ("scatter", 64, True), (None, 128, True), (None, 32, True)]
-                                             if N in args.variant_batch else [])
+            # (api, vt, xla_casts, direct); v4 (direct: GMEM <-> registers) at every batch
+            variants = [(None, 64, True, False), (None, 64, True, True)] + (
+                [(None, 64, False, False), ("scatter", 64, True, False), (None, 128, True, False),
+                 (None, 32, True, False), (None, 32, True, True)] if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
@@ -272,10 +274,10 @@ def main(argv=None):
                     o_fla, ht_fla = f()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt, xla_casts in variants:
+            for api, vt, xla_casts, direct in variants:
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"api": api or mgpu.default_decode_api(), "vt": vt,
-                                   "version": "v1 (XLA casts)" if xla_casts else "v2"}}
+                                   "version": "v4 direct" if direct else "v1 (XLA casts)" if xla_casts else "v2"}}
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -290,7 +292,8 @@ def main(argv=None):
                     no_reset = jnp.zeros((N,), bool)
                     R = 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts,
+                                                      direct=direct)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))

@@ -3,6 +3,7 @@ against the f32 jnp references at tiny shapes, on fresh random inputs; the Mosai
 lowered for CUDA (no GPU needed) so API drift shows up in CI. GPU numerics: tests/gpu/."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -178,8 +179,8 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     N, H, HV, K, V = 4, 2, 4, 128, 128
     bf = jnp.bfloat16
     apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
-    for api in apis:
-        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api)
+    for api, direct in itertools.product(apis, (False, True)):  # direct: GMEM <-> registers (v4)
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, direct=direct)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         assert "mosaic_gpu" in e.mlir_module()

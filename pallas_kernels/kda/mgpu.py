@@ -90,16 +90,17 @@ def default_decode_api() -> str:
     return "pallas_call" if _pallas_call_available() else "ref"
 
 
-def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale):
-    """One gated delta step on a [K, vt] f32 state tile in SMEM (read in the WGMMA layout), with the
-    token's q, k, g [K] and v [vt] in SMEM: -> (new tile, o [vt]), f32. rs != 0: the tile starts
-    from zero (a reset slot is never read)."""
-    ld = lambda ref, layout: plgpu.load(ref, (), layout=layout).astype(jnp.float32)
+def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale, gmem=False):
+    """One gated delta step on a [K, vt] f32 state tile (read in the WGMMA layout), with the token's
+    q, k, g [K] and v [vt]: -> (new tile, o [vt]), f32. rs != 0: the tile starts from zero (a reset
+    slot's values are discarded). The refs are in SMEM, or with gmem=True in global memory (read
+    straight into registers)."""
+    ld = lambda ref, layout: plgpu.load(ref, (), layout=layout, optimized=not gmem).astype(jnp.float32)
     qv = ld(q_ref, ROW)
     if scale != 1.0:
         qv = qv * scale
     kv, ev, vv = ld(k_ref, ROW), jnp.exp(ld(g_ref, ROW)), ld(v_ref, COL)
-    S = plgpu.load(s_ref, (), layout=WGMMA)
+    S = ld(s_ref, WGMMA)
     shape = S.shape
     S = jnp.where(rs != 0, 0.0, S) * _bc_rows(ev, shape)
     kb = _bc_rows(kv, shape)
@@ -108,7 +109,8 @@ def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale):
     return S, jnp.sum(S * _bc_rows(qv, shape), axis=0)
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True,
+           direct=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -121,6 +123,10 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
     v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md).
+
+    direct (v4, opt-in until measured): the state tile and vectors are read from global memory
+    straight into registers and the new tile and o written back the same way (as fla's Triton
+    kernel does), with no SMEM staging, TMA or barrier; False: TMA into SMEM and back (v1).
     """
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -137,12 +143,18 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
 
-    def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref,
-             s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar):
+    def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G
         row = (slot_ref[n] * L + layer) * HV + h
         tile = src_ref.at[row, :, pl.ds(v0, vt)]
         dst = tile if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
+        if direct:
+            S, o = _tile_step(tile, q_ref.at[n, hq], k_ref.at[n, hq], g_ref.at[n, h], v_ref.at[n, h, pl.ds(v0, vt)],
+                              b_ref[n, h].astype(f32), reset_ref[n], scale, gmem=True)
+            dst[...] = S
+            o_ref.at[n, h, pl.ds(v0, vt)][...] = o
+            return
+        s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar = scr
         plgpu.copy_gmem_to_smem(tile, s_smem, bar.at[0])
         plgpu.copy_gmem_to_smem(q_ref.at[n, hq], q_smem, bar.at[0])
         plgpu.copy_gmem_to_smem(k_ref.at[n, hq], k_smem, bar.at[0])
@@ -159,7 +171,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, vt)])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [
+    scratch = [] if direct else [
         plgpu.SMEM((K, vt), jnp.float32, **_f32_tiled()),
         plgpu.SMEM((K,), q.dtype),
         plgpu.SMEM((K,), k.dtype),

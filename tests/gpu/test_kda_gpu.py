@@ -44,8 +44,10 @@ def f32ref(x):
     return x.astype(jnp.float32)
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("N,H,HV", [(1, 12, 12), (256, 12, 12), (64, 4, 8), (33, 4, 8)])
-def test_decode_in_place(N, H, HV):
+def test_decode_in_place(N, H, HV, direct):
+    """direct=False: the default kernel through `kda_decode`; True: the GMEM <-> registers kernel (v4)."""
     key = jax.random.key(np.random.randint(1 << 30))
     q, k, v, g, beta = make(key, (N,), H, HV)
     NS, L = N + 7, 2
@@ -56,8 +58,14 @@ def test_decode_in_place(N, H, HV):
     pool_np = np.asarray(pool)
     with jax.default_matmul_precision("highest"):
         o_r, p_r = kda_decode_ref(*map(f32ref, (q, k, v, g, beta)), pool, slots, layer=1, reset=reset)
-    fn = jax.jit(functools.partial(kda_decode, layer=1, impl="pallas"), donate_argnums=(5,))
-    o, p = fn(q, k, v, g, beta, pool, slots, reset=reset)
+    if direct:
+        from pallas_kernels.kda import mgpu
+
+        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5, direct=True), donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool, slots, reset)
+    else:
+        fn = jax.jit(functools.partial(kda_decode, layer=1, impl="pallas"), donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool, slots, reset=reset)
     assert rel_err(o, o_r) < 1e-2
     p, p_r = np.asarray(p), np.asarray(p_r)
     s = np.asarray(slots)
