@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import bench.step_xla as step_xla  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
-from k3jax.model.forward import step  # noqa: E402
+from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
 
@@ -184,6 +184,9 @@ def main(argv=None):
     ap.add_argument("--model", default="k3-mini")
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--impl", nargs="*", default=["pallas", "xla"])
+    ap.add_argument("--layouts", nargs="*", default=["stacked"], choices=["stacked", "split"],
+                    help="parameter layouts: stacked (one array per field with a leading layer dim: the forward "
+                         "slices it per layer) and/or split (`split_layers`: one array per layer)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -193,48 +196,52 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     cfg = preset(args.model)
-    params = jax.block_until_ready(init_params(cfg, 0))
+    stacked = jax.block_until_ready(init_params(cfg, 0))
+    layouts = {name: (stacked if name == "stacked" else jax.block_until_ready(split_layers(stacked)))
+               for name in args.layouts}
     res = {"bench": "k3_mini_decode", "commit": step_xla.commit(), "jax": jax.__version__,
            "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "model": args.model,
            "dtype": cfg.dtype, "context": args.context, "page_size": args.page_size,
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for B in args.batch:
-        for impl in args.impl:
-            row = {"batch": B, "impl": impl}
+    for B, impl, layout in ((B, impl, lay) for B in args.batch for impl in args.impl for lay in args.layouts):
+        params = layouts[layout]
+        row = {"batch": B, "impl": impl, "layout": layout}
+        try:
+            state, batch = decode_batch(cfg, B, args.context, args.page_size)
+            batch = jax.device_put(batch)
+            t = time.perf_counter()  # one compile, used by the timing and by the profile
+            compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
+            row["compile_s"] = round(time.perf_counter() - t, 2)
+            step_xla.step = lambda p, s, b, c: compiled(p, s, b)  # what measure() calls
+            _, med = step_xla.measure(params, cfg, state, batch, args.iters)
+            row.update(step_ms=med * 1e3, tokens_per_s=B / med)
             try:
-                state, batch = decode_batch(cfg, B, args.context, args.page_size)
-                batch = jax.device_put(batch)
-                t = time.perf_counter()  # one compile, used by the timing and by the profile
-                compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
-                row["compile_s"] = round(time.perf_counter() - t, 2)
-                step_xla.step = lambda p, s, b, c: compiled(p, s, b)  # what measure() calls
-                _, med = step_xla.measure(params, cfg, state, batch, args.iters)
-                row.update(step_ms=med * 1e3, tokens_per_s=B / med)
-                try:
-                    box = {"s": decode_batch(cfg, B, args.context, args.page_size)[0]}  # measure() donated the first
+                box = {"s": decode_batch(cfg, B, args.context, args.page_size)[0]}  # measure() donated the first
 
-                    def run():
-                        out, box["s"] = compiled(params, box["s"], batch)
-                        return out
+                def run():
+                    out, box["s"] = compiled(params, box["s"], batch)
+                    return out
 
-                    jax.block_until_ready(run())
-                    row["profile"] = profile_breakdown(run, compiled.as_text(), args.profile_steps, args.profile_device)
-                except Exception as e:  # the step times stand without the breakdown
-                    row["profile_error"] = repr(e)[:400]
-                    traceback.print_exc()
-            except Exception as e:
-                row["error"] = repr(e)[:600]
+                jax.block_until_ready(run())
+                row["profile"] = profile_breakdown(run, compiled.as_text(), args.profile_steps, args.profile_device)
+            except Exception as e:  # the step times stand without the breakdown
+                row["profile_error"] = repr(e)[:400]
                 traceback.print_exc()
-            res["results"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-            with open(args.out, "w") as fh:
-                json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other   (device ms/step)")
+        except Exception as e:
+            row["error"] = repr(e)[:600]
+            traceback.print_exc()
+        res["results"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other"
+          "   (device ms/step)")
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
-        print(f"{r['batch']:5} {r['impl']:7} {r.get('step_ms', float('nan')):8.3f} {r.get('tokens_per_s', float('nan')):9.0f} "
+        print(f"{r['batch']:5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('step_ms', float('nan')):8.3f} "
+              f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")
 
 

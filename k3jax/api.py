@@ -10,7 +10,7 @@ import numpy as np
 
 from k3jax.config import ModelConfig, preset, preset_names
 from k3jax.engine.runner import SeqWork, pack_step
-from k3jax.model.forward import Params, step
+from k3jax.model.forward import Params, is_split, split_layers, step
 from k3jax.state import init_state
 
 LOGITS_PAGE_SIZE = 64
@@ -31,7 +31,7 @@ class Model:
             return lambda params, state, batch: step(params, state, batch, self.config, self.impl)
         from sharding.step import make_sharded_step
 
-        return make_sharded_step(self.config, self.mesh, impl=self.impl)
+        return make_sharded_step(self.config, self.mesh, impl=self.impl, split=is_split(self.params))
 
     def init_state(self, slots: int, pages: int, page_size: int):
         """A zeroed device state for `step_fn` (sharded on the mesh, if any)."""
@@ -39,7 +39,8 @@ class Model:
             return init_state(self.config, slots, pages, page_size)
         from sharding.step import make_sharded_step
 
-        return make_sharded_step(self.config, self.mesh, impl=self.impl).init_state(slots, pages, page_size)
+        return make_sharded_step(self.config, self.mesh, impl=self.impl, split=is_split(self.params)).init_state(
+            slots, pages, page_size)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """One plain forward over `token_ids` from an empty context: f32 logits `[T, vocab]`."""
@@ -63,7 +64,9 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
 
     `mesh` ("tp=2", "tp=4,ep=2", "dp=2,tp=2", or a Mesh): every weight is placed directly into its
     shards (`sharding.rules.param_shardings`; no full host copy of a checkpoint), and `Model.logits`
-    and engines built on the model run sharded on that mesh."""
+    and engines built on the model run sharded on that mesh. The parameters come back in the
+    per-layer layout (`k3jax.model.forward.split_layers`; the stacked arrays are freed field by field);
+    `stack_layers` gives the stacked layout back (what the checkpoint writers take)."""
     from k3jax.model.init import init_params
     from k3jax.tokenizer import load_tokenizer
 
@@ -91,4 +94,11 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
             cfg = cfg.replace(dtype=dtype)
         params = init_params(cfg, seed, shardings=shardings(cfg) if shardings else None)
         tok = load_tokenizer(None, cfg)
+    # per-layer arrays: the forward never slices stacked weights (`split_layers`)
+    split_sh = None
+    if mesh is not None:
+        from sharding.rules import split_shardings
+
+        split_sh = split_shardings(shardings(cfg), cfg)
+    params = split_layers(params, split_sh, consume=True)
     return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh)

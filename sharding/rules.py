@@ -226,6 +226,16 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: Rules | None = None):
     return _named(mesh, param_specs(cfg, rules))
 
 
+def split_shardings(shardings, cfg: ModelConfig):
+    """`param_shardings` for the per-layer layout (`k3jax.model.forward.split_layers`): each stacked
+    field becomes a tuple of its per-layer shardings (the spec without its leading layer axis)."""
+    from k3jax.model.forward import layer_fields, map_layer_fields
+
+    counts = layer_fields(cfg)
+    drop = lambda sh: NamedSharding(sh.mesh, P(*tuple(sh.spec)[1:]))
+    return map_layer_fields(shardings, lambda t, name: (jax.tree_util.tree_map(drop, t),) * counts[name])
+
+
 def state_shardings(cfg: ModelConfig, mesh: Mesh, slots: int | None = None, pages: int | None = None,
                     page_size: int | None = None, rules: Rules | None = None):
     """A `DeviceState` tree of NamedSharding; `slots` / `pages` (when given) must divide over their axes."""

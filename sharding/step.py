@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from sharding.mesh import make_mesh
-from sharding.rules import Rules, param_shardings, shard_params, state_shardings
+from sharding.rules import Rules, param_shardings, shard_params, split_shardings, state_shardings
 
 try:  # JAX >= 0.6: jax.shard_map (check_vma); older: jax.experimental.shard_map (check_rep)
     _shard_map = jax.shard_map
@@ -141,13 +141,16 @@ class ShardedStep:
     state (`init_state`).
     """
 
-    def __init__(self, cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None):
+    def __init__(self, cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None,
+                 split: bool = False):
         if fn is None:
             from k3jax.model.forward import forward as fn
 
         self.cfg, self.mesh, self.rules, self.impl = cfg, make_mesh(mesh), rules or Rules(), impl
         self.context = MeshContext(self.mesh, self.rules)
         self.param_shardings = param_shardings(cfg, self.mesh, self.rules)
+        if split:  # the per-layer parameter layout (`split_layers`, what `load_model` gives)
+            self.param_shardings = split_shardings(self.param_shardings, cfg)
         self.state_shardings = state_shardings(cfg, self.mesh, rules=self.rules)
         self.replicated = self.batch_sharding = NamedSharding(self.mesh, P())
 
@@ -174,12 +177,14 @@ class ShardedStep:
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_step(cfg, mesh, rules, impl, fn):
-    return ShardedStep(cfg, mesh, rules, impl, fn)
+def _cached_step(cfg, mesh, rules, impl, fn, split):
+    return ShardedStep(cfg, mesh, rules, impl, fn, split)
 
 
-def make_sharded_step(cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None) -> ShardedStep:
+def make_sharded_step(cfg: ModelConfig, mesh, rules: Rules | None = None, impl: str = "xla", fn=None,
+                      split: bool = False) -> ShardedStep:
     """The jitted, sharded step for `cfg` on `mesh` (a Mesh or a spec such as "tp=4,ep=2"): `fn` (default
-    the model's `forward`) with explicit in/out shardings. One object (and one compile cache) per
-    (cfg, mesh, rules, impl, fn)."""
-    return _cached_step(cfg, make_mesh(mesh), rules or Rules(), impl, fn)
+    the model's `forward`) with explicit in/out shardings; split: parameters in the per-layer layout
+    (`split_layers`) rather than stacked. One object (and one compile cache) per (cfg, mesh, rules,
+    impl, fn, split)."""
+    return _cached_step(cfg, make_mesh(mesh), rules or Rules(), impl, fn, split)

@@ -38,7 +38,7 @@ def unsharded(model):
 @pytest.mark.parametrize("mesh", ["tp=2", "tp=4,ep=2", "dp=2,tp=2"])
 def test_engine_on_a_mesh_is_token_identical(model, unsharded, mesh):
     llm = LLM(model, mesh=mesh, **ENGINE_KW)
-    assert llm.core.runner.params.moe.w1.sharding.mesh.devices.size == np.prod(list(parse_mesh_spec(mesh).values()))
+    assert llm.core.runner.params.moe[0].w1.sharding.mesh.devices.size == np.prod(list(parse_mesh_spec(mesh).values()))
     got = run_workload(llm)  # also checks the invariants
     assert got == unsharded
     assert llm.stats["restored_tokens"] > 0 and llm.stats["donated_checkpoints"] > 0  # restore + snapshot ran
@@ -77,7 +77,8 @@ def test_slot_copies_on_a_sharded_pool_with_grouped_conv_channels():
 
 def test_load_model_on_a_mesh_places_shards_and_logits_match(model):
     sharded = load_model("k3-tiny", seed=0, mesh="tp=4,ep=2")
-    assert sharded.params.moe.w1.sharding.spec == jax.sharding.PartitionSpec(None, "ep", None, "tp")
+    # per-layer arrays (`split_layers`): each MoE layer's [E, in, out] experts over ep, their ffn over tp
+    assert all(m.w1.sharding.spec == jax.sharding.PartitionSpec("ep", None, "tp") for m in sharded.params.moe)
     for a, b in zip(jax.tree_util.tree_leaves(sharded.params), jax.tree_util.tree_leaves(model.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # sharded init: the same weights
     ids = workload()[0][0][:70]

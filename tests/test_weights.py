@@ -17,8 +17,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from k3jax import weights as W
-from k3jax.api import Model
+from k3jax.api import Model, load_model
 from k3jax.config import preset, to_hf_dict
+from k3jax.model.forward import is_split
 from k3jax.model.init import param_shapes
 
 T_IDS = (np.arange(40) * 37 + 11) % 200 + 3  # one fixed length -> one compile per config
@@ -97,6 +98,11 @@ def test_orbax_roundtrip(k3, tmp_path):
     cfg, got = W.load_checkpoint(tmp_path / "o")
     assert cfg == K3_TINY and cfg.name == "k3-tiny" and cfg.full_attn_layers == (3, 6)
     assert_params_equal(params, got)
+    # load_model gives the per-layer layout; the writers take it and store the stacked one
+    model = load_model(str(tmp_path / "o"))
+    assert is_split(model.params)
+    W.save_orbax(model.params, K3_TINY, tmp_path / "o2")
+    assert_params_equal(params, W.load_checkpoint(tmp_path / "o2")[1])
 
 
 def test_safetensors_roundtrip_k3(k3, tmp_path):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.model.context import StepBatch
-from k3jax.model.forward import forward
+from k3jax.model.forward import forward, is_split
 from k3jax.sampling import request_keys, sample
 from k3jax.state import StateOps, init_state, init_unified_state, restore_checkpoints, snapshot_slots
 
@@ -255,7 +255,7 @@ class ModelRunner:
                 fn = mesh_step_fn(spec_block)
             else:
                 fn = _engine_step
-            self.sharded = make_sharded_step(self.cfg, mesh, impl=impl, fn=fn)
+            self.sharded = make_sharded_step(self.cfg, mesh, impl=impl, fn=fn, split=is_split(model.params))
             self.params = self.sharded.shard_params(model.params)  # no copy when already laid out so
             self.state = self.sharded.init_state(slots, pages, page_size)
             self.prev = self.sharded.replicate(np.zeros((self.n_max,), np.int32))

@@ -38,5 +38,8 @@ def proj(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def layer_slice(tree, i: int):
-    """The parameters of one layer out of a stacked (leading layer dim) pytree."""
+    """The parameters of one layer out of a stacked (leading layer dim) pytree, or out of a tuple of
+    per-layer pytrees (`forward.split_layers`)."""
+    if isinstance(tree, tuple):
+        return tree[i]
     return jax.tree_util.tree_map(lambda a: a[i], tree)

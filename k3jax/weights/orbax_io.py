@@ -68,8 +68,13 @@ def _unnest(tree: dict, paths: Sequence[str]) -> list:
 
 
 def save_orbax(params, cfg: ModelConfig, directory: str | os.PathLike) -> None:
-    """Write `params` as an orbax checkpoint under `directory/params` and the config beside it."""
+    """Write `params` as an orbax checkpoint under `directory/params` and the config beside it
+    (`params` stacked or per-layer: the file holds the stacked layout)."""
     import orbax.checkpoint as ocp
+
+    from k3jax.model.forward import stack_layers
+
+    params = stack_layers(params)
 
     directory = os.path.abspath(os.fspath(directory))
     os.makedirs(directory, exist_ok=True)

@@ -294,9 +294,14 @@ def save_safetensors(params, cfg: ModelConfig, directory: str | os.PathLike, *, 
     none. `max_shard_bytes` splits the tensors over `model-0000i-of-0000n.safetensors` with a
     `model.safetensors.index.json`. `mxfp4_experts=True` stores routed experts as MXFP4
     (`quantize_mxfp4`: lossy, power-of-two scale per 32 inputs, round to nearest E2M1). Tensors are
-    written one layer slice at a time, so host memory stays about one slice.
+    written one layer slice at a time, so host memory stays about one slice. `params` in the stacked
+    or the per-layer layout (`load_model`'s; stacked here first).
     """
     from tqdm.auto import tqdm
+
+    from k3jax.model.forward import stack_layers
+
+    params = stack_layers(params)
 
     if fmt != "published":
         raise ValueError(f"unknown safetensors format {fmt!r}; only 'published' is written")
