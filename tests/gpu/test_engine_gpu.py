@@ -16,6 +16,7 @@ from tests.gpu import require_gpu
 require_gpu()
 from k3jax import LLM  # noqa: E402
 from k3jax.api import load_model  # noqa: E402
+from k3jax.model.forward import split_layers  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.spec.drafter import OracleDrafter  # noqa: E402
 from tests.test_engine import ENGINE_KW, run_workload, workload  # noqa: E402
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.gpu
 def model():
     base = load_model("k3-tiny", seed=0)  # f32
     cfg = base.config.replace(name="k3-tiny-k128", kda_head_dim=128)
-    return dataclasses.replace(base, config=cfg, params=init_params(cfg, 0), impl="pallas")
+    # the per-layer layout, as load_model gives it
+    return dataclasses.replace(base, config=cfg, params=split_layers(init_params(cfg, 0)), impl="pallas")
 
 
 def test_logits_pallas_path_vs_xla_path(model):
