@@ -38,21 +38,26 @@ class Params:
     attn_res: AttnResParams | None  # Block AttnRes query sites (None: plain residual)
 
 
+# `Params` fields stacked over layers -> the config property counting their layers (None: all layers)
+_LAYER_FIELDS = {"input_norm": None, "post_norm": None, "kda": "num_kda_layers", "mla": "num_mla_layers",
+                 "dense": "num_dense_layers", "moe": "num_moe_layers"}
+_RES_FIELDS = ("attn", "mlp")  # the Block AttnRes sites before each sublayer (one per layer)
+
+
 def layer_fields(cfg: ModelConfig) -> dict[str, int]:
     """The `Params` fields stacked over layers ("attn_res.attn" for a nested one) -> layer count."""
-    L = cfg.num_layers
-    return {"input_norm": L, "post_norm": L, "kda": cfg.num_kda_layers, "mla": cfg.num_mla_layers,
-            "dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers, "attn_res.attn": L, "attn_res.mlp": L}
+    out = {k: cfg.num_layers if a is None else getattr(cfg, a) for k, a in _LAYER_FIELDS.items()}
+    return out | {f"attn_res.{k}": cfg.num_layers for k in _RES_FIELDS}
 
 
 def map_layer_fields(params, fn):
     """`params` (a `Params`, or any tree of its structure such as its shardings) with every stacked
     field `t` replaced by `fn(t, name)` (None fields stay None)."""
     f = lambda name, t: None if t is None else fn(t, name)
-    kw = {k: f(k, getattr(params, k)) for k in ("input_norm", "post_norm", "kda", "mla", "dense", "moe")}
+    kw = {k: f(k, getattr(params, k)) for k in _LAYER_FIELDS}
     ar = params.attn_res
     if ar is not None:
-        kw["attn_res"] = dataclasses.replace(ar, attn=f("attn_res.attn", ar.attn), mlp=f("attn_res.mlp", ar.mlp))
+        kw["attn_res"] = dataclasses.replace(ar, **{k: f(f"attn_res.{k}", getattr(ar, k)) for k in _RES_FIELDS})
     return dataclasses.replace(params, **kw)
 
 

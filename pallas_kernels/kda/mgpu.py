@@ -356,14 +356,13 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 lev1 = lev1 + jnp.where(x >= (1 << bit), 1, 0)
 
             def levels(r_s):
-                # one level per iteration of a (not unrolled) loop: the level is a runtime value,
-                # so the compiler cannot hoist the masks and products of all six levels at once
+                # loops (v6): one level per iteration of a lax loop, the level a runtime value, so the
+                # kernel's code holds one level; otherwise (v4) the six levels are unrolled
                 rT = ("T", r_s)
 
                 def level(j, carry):
-                    akk, aqk = carry
-                    lv = nl - 1 - j
-                    b = jnp.left_shift(jnp.int32(1), lv)
+                    lv = nl - 1 - j  # a Python int when unrolled (v4), traced in the loop (v6)
+                    b = (1 << lv) if isinstance(lv, int) else jnp.left_shift(jnp.int32(1), lv)
                     t_, i_ = ti(), ii()
                     tb = (t_ & b) != 0
                     S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)
@@ -378,12 +377,13 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
                     sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))
                     sel = (lev1 == lv + 1) & (ti() > ii())
-                    return akk + jnp.where(sel, sk, 0.0), aqk + jnp.where(sel, sq, 0.0)
+                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
+                    return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
 
-                zero = jnp.zeros((C, C), f32) if interpret else plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)
                 if loops:
+                    zero = jnp.zeros((C, C), f32) if interpret else plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)
                     return lax.fori_loop(0, nl, level, (zero, zero))
-                carry = (zero, zero)
+                carry = None
                 for j in range(nl):
                     carry = level(j, carry)
                 return carry
@@ -432,6 +432,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 diag = lambda: (ti() >> 4) == (ii() >> 4)
                 N = jnp.where(diag(), -A, 0.0)
                 Dinv = jnp.where(ti() == ii(), 1.0, 0.0) + N
+
                 def neumann(_, carry):
                     N, Dinv = carry
                     N = mm3(N, N)
