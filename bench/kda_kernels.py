@@ -189,7 +189,7 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
-PREP_VERSION = "mgpu prep kernel v4"
+PREP_VERSION = "mgpu prep kernel v6 (levels and Neumann doubling as loops)"
 
 
 def main(argv=None):
@@ -200,9 +200,10 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32, "
-                         "v4 direct at vt=32) are timed too (v4 direct at vt=64: every batch)")
-    ap.add_argument("--breakdown", default="1x32768x12", help="prefill shape for the XLA prep breakdown")
+                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32) "
+                         "are timed too")
+    ap.add_argument("--breakdown", default="1x32768x12",
+                    help="prefill shape for the XLA prep breakdown (slow; 'none' skips it)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -260,10 +261,10 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            # (api, vt, xla_casts, direct); v4 (direct: GMEM <-> registers) at every batch
-            variants = [(None, 64, True, False), (None, 64, True, True)] + (
-                [(None, 64, False, False), ("scatter", 64, True, False), (None, 128, True, False),
-                 (None, 32, True, False), (None, 32, True, True)] if N in args.variant_batch else [])
+            # (api, vt, xla_casts)
+            variants = [(None, 64, True)] + (
+                [(None, 64, False), ("scatter", 64, True), (None, 128, True), (None, 32, True)]
+                if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
@@ -274,10 +275,10 @@ def main(argv=None):
                     o_fla, ht_fla = f()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt, xla_casts, direct in variants:
+            for api, vt, xla_casts in variants:
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"api": api or mgpu.default_decode_api(), "vt": vt,
-                                   "version": "v4 direct" if direct else "v1 (XLA casts)" if xla_casts else "v2"}}
+                                   "version": "v1 (XLA casts)" if xla_casts else "v2"}}
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -292,8 +293,7 @@ def main(argv=None):
                     no_reset = jnp.zeros((N,), bool)
                     R = 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts,
-                                                      direct=direct)
+                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
@@ -371,21 +371,22 @@ def main(argv=None):
             ops = prep(*jin)
             row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
             row["prep_version"] = PREP_VERSION
-            # v6: the same kernel with its levels and Neumann doubling as loops (opt-in until measured)
-            prep6 = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="mgpu_loop"))
+            # v4: the same kernel unrolled (~21k straight-line PTX instructions per thread)
+            prep4 = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="mgpu"))
             try:
-                row["prep_loop_ms"] = jax_ms(lambda: ([prep6(*jin) for _ in range(R)], R))
+                row["prep_unrolled_ms"] = jax_ms(lambda: ([prep4(*jin) for _ in range(R)], R))
             except Exception as e:  # a variant's failure keeps the row's other figures
-                row["prep_loop_error"] = repr(e)[:400]
-            inter = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=64))
-            row["inter_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
-            # the inter kernel with 32-wide V tiles: twice the CTAs (one sequence x 12 heads is 24
-            # CTAs at vt 64 on 132 SMs), each chunk's products half as wide
-            inter32 = jax.jit(lambda *o: mgpu._chunk_inter_call(*o, B * T, vt=32))
-            try:
-                row["inter_vt32_ms"] = jax_ms(lambda: ([inter32(*ops) for _ in range(R)], R))
-            except Exception as e:
-                row["inter_vt32_error"] = repr(e)[:400]
+                row["prep_unrolled_error"] = repr(e)[:400]
+            # the inter kernel at both V tiles (vt 32: twice the CTAs, each chunk's products half as
+            # wide); `chunk` picks `mgpu.inter_vt`
+            row["inter_vt"] = mgpu.inter_vt(B, H, 128)
+            for vt in (64, 32):
+                inter = jax.jit(lambda *o, vt=vt: mgpu._chunk_inter_call(*o, B * T, vt=vt))
+                try:
+                    row[f"inter_vt{vt}_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
+                except Exception as e:
+                    row[f"inter_vt{vt}_error"] = repr(e)[:400]
+            row["inter_ms"] = row.get(f"inter_vt{row['inter_vt']}_ms")
             ops = None
             if spec == args.breakdown:  # the XLA prep (same algorithm) for comparison
                 prep_x = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="xla"))
@@ -415,8 +416,9 @@ def main(argv=None):
         if r["op"] == "prefill" and "prep_ms" in r:
             sh = r["shape"]
             g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"
-            print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep v4 {g('prep_ms')} / v6 loops {g('prep_loop_ms')} ms, "
-                  f"inter vt64 {g('inter_ms')} / vt32 {g('inter_vt32_ms')} ms")
+            print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep v6 {g('prep_ms')} / v4 unrolled "
+                  f"{g('prep_unrolled_ms')} ms, inter vt64 {g('inter_vt64_ms')} / vt32 {g('inter_vt32_ms')} ms "
+                  f"(default vt {r.get('inter_vt')})")
     print(f"copy {copy_gbps:.0f} GB/s")
 
 

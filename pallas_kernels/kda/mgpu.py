@@ -90,27 +90,22 @@ def default_decode_api() -> str:
     return "pallas_call" if _pallas_call_available() else "ref"
 
 
-def _tile_step(s_ref, q_ref, k_ref, g_ref, v_ref, bt, rs, scale, gmem=False):
-    """One gated delta step on a [K, vt] f32 state tile (read in the WGMMA layout), with the token's
-    q, k, g [K] and v [vt]: -> (new tile, o [vt]), f32. rs != 0: the tile starts from zero (a reset
-    slot's values are discarded). The refs are in SMEM, or with gmem=True in global memory (read
-    straight into registers)."""
-    ld = lambda ref, layout: plgpu.load(ref, (), layout=layout, optimized=not gmem).astype(jnp.float32)
-    qv = ld(q_ref, ROW)
-    if scale != 1.0:
-        qv = qv * scale
-    kv, ev, vv = ld(k_ref, ROW), jnp.exp(ld(g_ref, ROW)), ld(v_ref, COL)
-    S = ld(s_ref, WGMMA)
+def step_tile(S, qv, kv, gv, vv, bt):
+    """`ref._step` on a [K, vt] f32 state tile in the WGMMA layout: decay by exp(g), predict k^T S,
+    add k beta (v - pred)^T, read q^T S. qv, kv, gv [K] (ROW layout), vv [vt] (COL), bt a scalar,
+    all f32, q pre-scaled; qv None: no output. -> (o [vt] or None, new tile). The decode, verify and
+    fold kernels all step through this one function, so verify + fold reproduce the decode kernel's
+    states and outputs bit for bit (tests/gpu: test_verify_fold_bitwise_equal_decode)."""
     shape = S.shape
-    S = jnp.where(rs != 0, 0.0, S) * _bc_rows(ev, shape)
+    S = S * _bc_rows(jnp.exp(gv), shape)
     kb = _bc_rows(kv, shape)
-    u = bt * (vv - jnp.sum(S * kb, axis=0))
-    S = S + kb * _bc_cols(u, shape)
-    return S, jnp.sum(S * _bc_rows(qv, shape), axis=0)
+    pred = jnp.sum(S * kb, axis=0)
+    S = S + kb * _bc_cols(bt * (vv - pred), shape)
+    o = None if qv is None else jnp.sum(S * _bc_rows(qv, shape), axis=0)
+    return o, S
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True,
-           direct=False):
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -123,10 +118,6 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
     v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md).
-
-    direct (v4, opt-in until measured): the state tile and vectors are read from global memory
-    straight into registers and the new tile and o written back the same way (as fla's Triton
-    kernel does), with no SMEM staging, TMA or barrier; False: TMA into SMEM and back (v1).
     """
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -148,12 +139,6 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         row = (slot_ref[n] * L + layer) * HV + h
         tile = src_ref.at[row, :, pl.ds(v0, vt)]
         dst = tile if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
-        if direct:
-            S, o = _tile_step(tile, q_ref.at[n, hq], k_ref.at[n, hq], g_ref.at[n, h], v_ref.at[n, h, pl.ds(v0, vt)],
-                              b_ref[n, h].astype(f32), reset_ref[n], scale, gmem=True)
-            dst[...] = S
-            o_ref.at[n, h, pl.ds(v0, vt)][...] = o
-            return
         s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar = scr
         plgpu.copy_gmem_to_smem(tile, s_smem, bar.at[0])
         plgpu.copy_gmem_to_smem(q_ref.at[n, hq], q_smem, bar.at[0])
@@ -163,7 +148,12 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
         plgpu.barrier_wait(bar.at[0])
-        S, o = _tile_step(s_smem, q_smem, k_smem, g_smem, v_smem, bt, rs, scale)
+        ld = lambda ref, layout: plgpu.load(ref, (), layout=layout).astype(f32)
+        qv = ld(q_smem, ROW)
+        if scale != 1.0:
+            qv = qv * scale
+        S = jnp.where(rs != 0, 0.0, ld(s_smem, WGMMA))  # a reset slot's values are discarded
+        o, S = step_tile(S, qv, ld(k_smem, ROW), ld(g_smem, ROW), ld(v_smem, COL), bt)
         s_smem[...] = S
         o_smem[...] = o
         plgpu.commit_smem()
@@ -171,7 +161,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, vt)])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = [] if direct else [
+    scratch = [
         plgpu.SMEM((K, vt), jnp.float32, **_f32_tiled()),
         plgpu.SMEM((K,), q.dtype),
         plgpu.SMEM((K,), k.dtype),
@@ -600,17 +590,31 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
     return f(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)
 
 
-def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=64, prep="mgpu"):
+# SMs of an H100 / H200: the inter kernel's CTA count below this leaves SMs idle
+_SMS = 132
+
+
+def inter_vt(num_seqs: int, HV: int, V: int) -> int:
+    """The inter kernel's V tile: 64, or 32 when the (sequence, head, 64-wide V tile) CTAs do not fill
+    the SMs (one sequence x 12 heads: 24 CTAs). Measured on the H200 at 32k / 12 heads: vt 32 0.97 ms
+    against vt 64 1.07 (bench/NOTES.md)."""
+    return 32 if num_seqs * HV * (V // 64) < _SMS else 64
+
+
+def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop"):
     """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
     initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
-    final_state [N, HV, K, V] f32). prep: "mgpu" (the prep kernel), "mgpu_loop" (the prep kernel with
-    its levels and Neumann doubling as loops: v6, opt-in until measured) or "xla" (`prep.chunk_prep`)."""
+    final_state [N, HV, K, V] f32). prep: "mgpu_loop" (the prep kernel with its levels and Neumann
+    doubling as loops: v6, the default), "mgpu" (the same kernel unrolled: v4, 2.4x slower on the
+    H200) or "xla" (`prep.chunk_prep`). vt: the inter kernel's V tile (None: `inter_vt`)."""
     ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep)
+    if vt is None:
+        vt = inter_vt(cu_seqlens.shape[0] - 1, v.shape[-2], v.shape[-1])
     o, ht = _chunk_inter_call(*ops, q.shape[1], vt=vt)
     return o[None], ht[: cu_seqlens.shape[0] - 1]
 
 
-def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu", interpret=False):
+def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False):
     """The part of `chunk` before the sequential kernel: the chunk table and the intra-chunk prep
     -> the operands of `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum).
     interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests)."""

@@ -24,6 +24,8 @@ Implementations:
 - Mosaic GPU (`plgpu`, sm_90, Lane semantics like the decode kernel in `mgpu.py`): one CTA (128
   threads) per V tile; the [K, vt] state tile lives in registers in the WGMMA layout, the T steps'
   vectors are TMA-loaded once into shared memory, beta is read from global memory as a scalar.
+  Every step is `mgpu.step_tile`, the decode kernel's own step, so verify + fold give the decode
+  kernel's outputs and states bit for bit.
   The pool is updated in place: `pl.pallas_call` with an input/output alias on JAX <= 0.10, the
   pool as a JAX Ref passed to `plgpu.kernel` on JAX >= 0.11.
 """
@@ -198,19 +200,6 @@ def _launch(body, ins, pool3, out_types, grid, names, scratch, name):
     return list(outs), pool_ref[...]
 
 
-def _step_tile(plgpu, S, qv, kv, gv, vv, bt, K, vt):
-    """`ref._step` on a [K, vt] WGMMA-layout tile: decay, predict, delta update, read."""
-    from pallas_kernels.kda.mgpu import _bc_cols, _bc_rows
-
-    shape = (K, vt)
-    S = S * _bc_rows(jnp.exp(gv), shape)
-    kb = _bc_rows(kv, shape)
-    pred = jnp.sum(S * kb, axis=0)
-    S = S + kb * _bc_cols(bt * (vv - pred), shape)
-    o = None if qv is None else jnp.sum(S * _bc_rows(qv, shape), axis=0)
-    return o, S
-
-
 def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
     state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold)."""
@@ -242,7 +231,7 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False)
         S = jnp.where(rs != 0, 0.0, S)
         for t in range(T):
             ld = lambda i: _load(plgpu, vec_smem.at[i, t], ROW)
-            o, S = _step_tile(plgpu, S, ld(0), ld(1), ld(2), _load(plgpu, v_smem.at[t], COL), b_ref[n, t, h], K, vt)
+            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), _load(plgpu, v_smem.at[t], COL), b_ref[n, t, h])
             o_smem.at[t][...] = o
             if snapshots:
                 slot = t % 2
@@ -299,8 +288,7 @@ def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64):
         S = _load(plgpu, s_smem, WG)  # s_smem keeps S0: the snapshot's initial value
         for t in range(T):
             ld = lambda i: _load(plgpu, vec_smem.at[i, t], ROW)
-            _, S_next = _step_tile(plgpu, S, None, ld(0), ld(1), _load(plgpu, v_smem.at[t], COL), b_ref[r, t, h],
-                                   K, vt)
+            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), _load(plgpu, v_smem.at[t], COL), b_ref[r, t, h])
             S = jnp.where(t < nk, S_next, S)
 
             @pl.when(t + 1 == sa)

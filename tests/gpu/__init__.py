@@ -1,5 +1,5 @@
 """Tests that need an H100/H200 (run through the device tool:
-`JAX_PLATFORMS=cuda python3 -m pytest -m gpu tests/gpu`); skipped, not failed, elsewhere."""
+`JAX_PLATFORMS=cuda,cpu python3 -m pytest -m gpu tests/gpu`); skipped, not failed, elsewhere."""
 
 import pytest
 
