@@ -3,6 +3,7 @@ against the f32 jnp references at tiny shapes, on fresh random inputs; the Mosai
 lowered for CUDA (no GPU needed) so API drift shows up in CI. GPU numerics: tests/gpu/."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,80 @@ def test_dense_chunk_with_state():
     close(S, S_r)
 
 
+@pytest.mark.parametrize("impl", ["xla", IMPL])
+def test_varlen_chunk_snapshot_at_a_token(impl):
+    """snapshot_at: the state after the first a tokens of each sequence (a anywhere: 0, inside a
+    chunk, on a chunk boundary, the whole sequence, past its end (clipped), none), next to the
+    unchanged outputs and final states."""
+    rng = np.random.default_rng()
+    lens = [37, 0, 130, 1, 70, 64]
+    at = [5, 0, 64, 1, 500, -1]
+    H, HV, K, V = 2, 4, 16, 8
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 5
+    q, k, v, g, beta = inputs(rng, (1, T), H, HV, K, V)
+    S0 = jnp.asarray(rng.normal(size=(len(lens), HV, K, V)), jnp.float32)
+    fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], snapshot_at=a[7], impl=impl))
+    o, S, snap = fn(q, k, v, g, beta, S0, jnp.asarray(cu), jnp.asarray(at, jnp.int32))
+    o_p, S_p = kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=jnp.asarray(cu), impl=impl)
+    close(o, o_p)
+    close(S, S_p)
+    for i, (n, a) in enumerate(zip(lens, at)):
+        if a < 0:
+            np.testing.assert_array_equal(snap[i], 0.0)
+            continue
+        s = cu[i]
+        e = s + min(a, n)
+        _, S_r = kda_recurrent_ref(*(x[:, s:e] for x in (q, k, v, g, beta)), initial_state=S0[i : i + 1])
+        close(snap[i], S_r[0])
+    # dense inputs take one entry per batch row
+    qd, kd, vd, gd, bd = (x[:, :128].reshape((2, 64) + x.shape[2:]) for x in (q, k, v, g, beta))
+    _, Sd, snapd = kda_chunk(qd, kd, vd, gd, bd, initial_state=S0[:2], snapshot_at=jnp.array([10, 64]), impl=impl)
+    _, S_r = kda_recurrent_ref(*(x[:1, :10] for x in (qd, kd, vd, gd, bd)), initial_state=S0[:1])
+    close(snapd[0], S_r[0])
+    close(snapd[1], Sd[1])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        kda_chunk(qd, kd, vd, gd, bd, snapshot_at=jnp.array([1, 2, 3]), impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["xla", IMPL])
+def test_chunk_pool_reads_and_writes_states_by_slot(impl):
+    """kda_chunk_pool: states read from the pool by slot (a reset slot is never read: NaN there),
+    final states and snapshots written back by slot, every other row untouched bit for bit."""
+    from pallas_kernels.kda import kda_chunk_pool
+
+    rng = np.random.default_rng()
+    lens = [37, 0, 70, 1]
+    H, HV, K, V, NS, L = 2, 4, 16, 8, 9, 2
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 3
+    q, k, v, g, beta = inputs(rng, (1, T), H, HV, K, V)
+    pool = rng.normal(size=(NS, L, HV, K, V)).astype(np.float32)
+    slots = np.array([5, 2, 7, 0], np.int32)
+    reset = np.array([False, False, True, False])
+    pool[7, 1] = np.nan
+    at, snap_slots = np.array([20, -1, 64, 1], np.int32), np.array([1, 8, 3, 6], np.int32)
+    fn = jax.jit(lambda *a: kda_chunk_pool(*a[:6], a[6], layer=1, cu_seqlens=a[7], reset=a[8], snapshot_at=a[9],
+                                           snapshot_slots=a[10], impl=impl), donate_argnums=(5,))
+    o, new = fn(q, k, v, g, beta, jnp.asarray(pool), jnp.asarray(slots), jnp.asarray(cu), jnp.asarray(reset),
+                jnp.asarray(at), jnp.asarray(snap_slots))
+    new = np.asarray(new)
+    S0 = jnp.asarray(np.where(reset[:, None, None, None], 0.0, pool[slots, 1]))
+    o_r, S_r, snap_r = kda_chunk(q, k, v, g, beta, initial_state=S0, cu_seqlens=jnp.asarray(cu),
+                                 snapshot_at=jnp.asarray(at), impl="xla")
+    close(o, o_r)
+    close(new[slots, 1], S_r)
+    has = at >= 0
+    close(new[snap_slots[has], 1], np.asarray(snap_r)[has])
+    written = set(slots) | set(snap_slots[has])
+    untouched = [s for s in range(NS) if s not in written]
+    np.testing.assert_array_equal(new[untouched], pool[untouched])
+    np.testing.assert_array_equal(new[:, 0], pool[:, 0])
+    with pytest.raises(ValueError, match="go together"):
+        kda_chunk_pool(q, k, v, g, beta, jnp.asarray(pool), slots, layer=1, cu_seqlens=jnp.asarray(cu),
+                       snapshot_at=jnp.asarray(at), impl=impl)
+
+
 @pytest.mark.parametrize("gate", [0.05, 1.0, 30.0])
 def test_matmul_form_prep_matches_reference(gate):
     """`prep.chunk_prep` (the algorithm of the GPU prep kernel: level-factored pair scores, blocked
@@ -190,6 +265,20 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
         ch = functools.partial(mgpu.chunk, scale=K**-0.5, vt=vt, prep=prep)
         e = _export_cuda(ch, sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf),
                          sd((1, T, HV, K), jnp.float32), sd((1, T, HV), bf), sd((3, HV, K, V), jnp.float32),
+                         sd((4,), jnp.int32))
+        assert "mosaic_gpu" in e.mlir_module()
+    # a snapshot at a given token; the states read from and written to the pool by slot (JAX 0.10 lowers
+    # the scatter form only: no Mosaic GPU lowering of a JAX Ref there)
+    qkvgb = (sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf), sd((1, T, HV, K), jnp.float32),
+             sd((1, T, HV), bf))
+    snap = jnp.array([5, 64, -1], jnp.int32)
+    e = _export_cuda(functools.partial(mgpu.chunk, scale=K**-0.5, snapshot_at=snap), *qkvgb,
+                     sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
+    assert "mosaic_gpu" in e.mlir_module()
+    apis = ["scatter"] + ([] if mgpu._pallas_call_available() else ["ref"])
+    for api, kw in itertools.product(apis, ({}, {"snapshot_at": snap, "snapshot_slots": jnp.array([4, 5, 6])})):
+        cp = functools.partial(mgpu.chunk_pool, layer=1, scale=K**-0.5, api=api, **kw)
+        e = _export_cuda(cp, *qkvgb, sd((8, 2, HV, K, V), jnp.float32), sd((3,), jnp.int32), sd((3,), bool),
                          sd((4,), jnp.int32))
         assert "mosaic_gpu" in e.mlir_module()
 

@@ -172,10 +172,16 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
             outs.append(o_d)
         if T > ndt:
             slots_p = ctx.seq_slot[nd:]
-            s0 = jnp.where(fresh[nd:, None, None, None], 0.0, pool.read_ssm(slots_p, layer))
-            o_p, s_f = chunk(q[None, ndt:], k[None, ndt:], v[None, ndt:], g[None, ndt:], beta[None, ndt:], s0,
-                             ctx.prefill_cu)
-            pool = pool.write_ssm(slots_p, layer, s_f)
+            seg = lambda a: a[None, ndt:]
+            if shard is None and pool.in_place:  # the kernel reads and writes the states by slot
+                o_p, ssm = kda_kernels.kda_chunk_pool(seg(q), seg(k), seg(v), seg(g), seg(beta), pool.ssm, slots_p,
+                                                      layer=layer, cu_seqlens=ctx.prefill_cu, reset=fresh[nd:],
+                                                      impl=impl)
+                pool = dataclasses.replace(pool, ssm=ssm)
+            else:  # unified memory or a mesh: gather the states, run the kernel on them, scatter back
+                s0 = jnp.where(fresh[nd:, None, None, None], 0.0, pool.read_ssm(slots_p, layer))
+                o_p, s_f = chunk(seg(q), seg(k), seg(v), seg(g), seg(beta), s0, ctx.prefill_cu)
+                pool = pool.write_ssm(slots_p, layer, s_f)
             outs.append(o_p[0])
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [T, H, V] f32
 

@@ -8,6 +8,9 @@ See `ref.py` for the recurrence. Outputs are f32.
 Entry points, `impl` in "xla" | "pallas" | "pallas_interpret" | "auto" (`pallas_kernels.dispatch`):
 - `kda_chunk(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, impl)` -> (o, final_state):
   chunked prefill, dense `[B, T]` or varlen packed (`B == 1` with `cu_seqlens [N+1]`).
+- `kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset, snapshot_at,
+  snapshot_slots, scale, impl)` -> (o, pool): varlen prefill with the states read from and written
+  to the recurrent pool by slot (and optional snapshots at a given token into other slots).
 - `kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset, scale, impl)` -> (o, pool): one
   token for each of N sequences, reading and writing the recurrent pool by slot id in place.
 
@@ -28,7 +31,7 @@ from pallas_kernels.kda.ref import (
 )
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 
-__all__ = ["IMPLS", "kda_chunk", "kda_chunk_ref", "kda_decode", "kda_recurrent_ref"]
+__all__ = ["IMPLS", "kda_chunk", "kda_chunk_pool", "kda_chunk_ref", "kda_decode", "kda_recurrent_ref"]
 
 
 def _dense_to_varlen(q, k, v, g, beta, initial_state):
@@ -39,9 +42,18 @@ def _dense_to_varlen(q, k, v, g, beta, initial_state):
     return (*map(pack, (q, k, v, g, beta)), initial_state, cu)
 
 
-def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, impl="xla", chunk_size=CHUNK):
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, impl="xla", chunk_size=CHUNK,
+              snapshot_at=None):
     """Chunked KDA prefill. Dense `[B, T]`, or varlen packed `[1, T]` with `cu_seqlens [N+1]`
-    (then `initial_state` / `final_state` are `[N, HV, K, V]`). Returns (o f32, final_state f32)."""
+    (then `initial_state` / `final_state` are `[N, HV, K, V]`). Returns (o f32, final_state f32).
+
+    snapshot_at `[N]` int (N = B when dense): also return the state after the first snapshot_at[i]
+    tokens of sequence i (clipped to its length; rows with snapshot_at < 0 are zero), as a third
+    output `[N, HV, K, V]` f32. The Mosaic GPU kernel ends a chunk at that token and stores the
+    state there; the other implementations run the sequences' two parts one after the other."""
+    if snapshot_at is not None:
+        return _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size,
+                                    jnp.asarray(snapshot_at, jnp.int32))
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_chunk")
     if auto and impl == "pallas" and not (_gpu_shapes_ok(q.shape[-1], v.shape[-1]) and chunk_size == CHUNK):
@@ -72,6 +84,85 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     if dense:
         o = o.reshape((B, T) + o.shape[2:])
     return o, ht
+
+
+def _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size, snapshot_at):
+    """`kda_chunk` with `snapshot_at` -> (o, final_state, snapshot_state)."""
+    B, T = q.shape[:2]
+    dense = cu_seqlens is None
+    if dense:
+        q, k, v, g, beta, initial_state, cu_seqlens = _dense_to_varlen(q, k, v, g, beta, initial_state)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    N = cu.shape[0] - 1
+    HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
+    if snapshot_at.shape != (N,):
+        raise ValueError(f"snapshot_at must have one entry per sequence ({N}), got shape {snapshot_at.shape}")
+    resolved = resolve_impl(impl, "kda_chunk")
+    if resolved == "pallas" and _gpu_shapes_ok(K, V) and chunk_size == CHUNK:
+        from pallas_kernels.kda import mgpu
+
+        o, ht, snap = mgpu.chunk(q, k, v, g, beta, initial_state, cu, scale=K**-0.5 if scale is None else scale,
+                                 snapshot_at=snapshot_at)
+    else:  # each sequence as two segments, run twice: the first parts' final states are the snapshots
+        a = jnp.clip(snapshot_at, 0, cu[1:] - cu[:-1])
+        seg = jnp.concatenate([jnp.stack([cu[:-1], cu[:-1] + a], 1).reshape(-1), cu[N:]])
+        h0 = jnp.zeros((N, HV, K, V), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+        z = jnp.zeros_like(h0)
+        run = lambda s0: kda_chunk(q, k, v, g, beta, scale=scale, initial_state=jnp.stack([s0[0], s0[1]], 1).reshape(
+            2 * N, HV, K, V), cu_seqlens=seg, impl=impl, chunk_size=chunk_size)
+        o1, h1 = run((h0, z))
+        snap = h1[0::2]
+        o2, h2 = run((z, snap))
+        first = jnp.searchsorted(seg, jnp.arange(q.shape[1]), side="right") % 2 == 1  # in a first part
+        o = jnp.where(first[None, :, None, None], o1, o2)
+        ht = h2[1::2]
+        snap = jnp.where((snapshot_at >= 0)[:, None, None, None], snap, 0.0)
+    if dense:
+        o = o.reshape((B, T) + o.shape[2:])
+    return o, ht, snap
+
+
+def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=None, snapshot_at=None,
+                   snapshot_slots=None, scale=None, impl="xla"):
+    """Varlen chunked prefill with its states in the recurrent pool `[slots, L, HV, K, V]` f32:
+    sequence i (packed `[1, T]`, `cu_seqlens [N+1]`) starts from `pool[slots[i], layer]` (zeros
+    where `reset[i]`) and its final state is written back there; with `snapshot_at` `[N]`, the state
+    after its first snapshot_at[i] tokens goes to `pool[snapshot_slots[i], layer]` (none where
+    snapshot_at < 0). Returns (o `[1, T, HV, V]` f32, pool).
+
+    "pallas": the Mosaic GPU kernel reads each state from the pool by slot and writes it back in
+    place (JAX >= 0.11); the other implementations gather and scatter around `kda_chunk`."""
+    auto = impl == "auto"
+    impl = resolve_impl(impl, "kda_chunk")
+    if auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1]):
+        impl = "xla"
+    if q.shape[0] != 1:
+        raise ValueError(f"kda_chunk_pool takes packed inputs with batch 1, got batch {q.shape[0]}")
+    slots = jnp.asarray(slots, jnp.int32)
+    N = slots.shape[0]
+    if cu_seqlens.shape != (N + 1,):
+        raise ValueError(f"cu_seqlens must have {N + 1} entries for {N} slots, got shape {cu_seqlens.shape}")
+    if (snapshot_at is None) != (snapshot_slots is None):
+        raise ValueError("snapshot_at and snapshot_slots go together")
+    reset = jnp.zeros((N,), bool) if reset is None else jnp.asarray(reset, bool)
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    if impl == "pallas":
+        from pallas_kernels.kda import mgpu
+
+        K = q.shape[-1]
+        return mgpu.chunk_pool(q, k, v, g, beta, pool, slots, reset, cu, layer=layer,
+                               scale=K**-0.5 if scale is None else scale, snapshot_at=snapshot_at,
+                               snapshot_slots=snapshot_slots)
+    s0 = jnp.where(reset[:, None, None, None], 0.0, pool[slots, layer])
+    if snapshot_at is None:
+        o, ht = kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu, impl=impl)
+        return o, pool.at[slots, layer].set(ht)
+    snapshot_at = jnp.asarray(snapshot_at, jnp.int32)
+    o, ht, snap = kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu, impl=impl,
+                            snapshot_at=snapshot_at)
+    pool = pool.at[slots, layer].set(ht)
+    to = jnp.where(snapshot_at >= 0, jnp.asarray(snapshot_slots, jnp.int32), pool.shape[0])  # out of range: dropped
+    return o, pool.at[to, layer].set(snap, mode="drop")
 
 
 def _gpu_shapes_ok(K: int, V: int) -> bool:

@@ -31,6 +31,8 @@ o is written straight into the packed `[T, HV, V]` output with a ladder of TMA s
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -48,6 +50,13 @@ except ImportError:  # pragma: no cover
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [M] vector along the rows of a WGMMA tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [N] vector along the columns
+# JAX 0.10's `plgpu.load` takes an index argument; 0.11 deprecates it (index the ref instead)
+_LOAD_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def load_tile(ref, layout, **kw):
+    """`plgpu.load` of a whole (already indexed) ref into registers, on JAX 0.10 and 0.11."""
+    return plgpu.load(ref, (), layout=layout, **kw) if _LOAD_IDX else plgpu.load(ref, layout=layout, **kw)
 
 
 def _bc_rows(x, shape):
@@ -148,7 +157,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
         plgpu.barrier_wait(bar.at[0])
-        ld = lambda ref, layout: plgpu.load(ref, (), layout=layout).astype(f32)
+        ld = lambda ref, layout: load_tile(ref, layout).astype(f32)
         qv = ld(q_smem, ROW)
         if scale != 1.0:
             qv = qv * scale
@@ -282,7 +291,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
         it = lambda shape, d: cast(lax.broadcasted_iota(jnp.int32, shape, d), WGMMA)
         ti = lambda: it((C, C), 0)
         ii = lambda: it((C, C), 1)
-        load = (lambda ref, layout: ref[...]) if interpret else (lambda ref, layout: plgpu.load(ref, (), layout=layout))
+        load = (lambda ref, layout: ref[...]) if interpret else load_tile
         ld = lambda ref: load(ref, WGMMA).astype(f32)
         smem = lambda shape, dt: plgpu.SMEM(shape, dt, **tiled(shape, dt))
 
@@ -471,24 +480,62 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 _LADDER = (64, 32, 16, 8, 4, 2, 1)
 
 
-def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
+def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, pool=None, rows=None,
+                      snap=False, api="ref"):
     """Sequential part. Chunk-layout operands (NC chunks): w, qg [NC, HV, C, K] bf16; kdT
-    [NC, HV, K, C] bf16; aqk [NC, HV, C, C] bf16; u0 [NC, HV, C, V] bf16; gl [NC, HV, K] f32.
-    h0 [NS, HV, K, V] f32; ccu [NS + 1] chunk offsets of the sequences; ctok / cnum [NC] first
-    packed token and token count of each chunk. -> (o [T, HV, V] f32, ht [NS, HV, K, V] f32)."""
+    [NC, HV, K, C] bf16; aqk [NC, HV, C, C] bf16; u0 [NC, HV, C, V] bf16; gl [NC, HV, K] f32;
+    ctok / cnum [NC] first packed token and token count of each chunk. One CTA per (sequence, value
+    head, V tile) walks its sequence's chunks.
+
+    ccu: the chunk offsets of the NS sequences, [NS + 1]; with `snap`, of 2 NS segments, [2 NS + 1]:
+    sequence n is segments 2n and 2n + 1, and the state after segment 2n is its snapshot.
+
+    States, one of:
+    - `h0` [NS, HV, K, V] f32 -> (o [T, HV, V] f32, ht [NS, HV, K, V] f32[, snapshots [NS, ...]]);
+    - `pool` [R, K, V] f32 (state rows) with `rows` = (src, dst, snp) [NS] int32 row bases (row =
+      base + value head; src < 0: start from zero; dst / snp < 0: not written). api "ref" (JAX >=
+      0.11): the pool is passed as a JAX Ref and written in place -> (o, pool); api "scatter": the
+      pool is read only and the states come back as arrays for the caller to scatter -> (o, ht[,
+      snapshots])."""
     NC, HV, C, K = w.shape
     V = u0.shape[-1]
-    NS = h0.shape[0]
-    assert C == 64 and K % 64 == 0 and V % vt == 0
+    NS = (ccu.shape[0] - 1) // (2 if snap else 1)
+    assert C == 64 and K % 64 == 0 and V % vt == 0 and (h0 is None) != (pool is None)
+    in_place = pool is not None and api == "ref"
+    state_t = jax.ShapeDtypeStruct((NS, HV, K, V), jnp.float32)
+    out_type = [jax.ShapeDtypeStruct((T, HV, V), jnp.float32)] + ([] if in_place else [state_t] * (2 if snap else 1))
+    ins = [w, qg, kdT, aqk, u0, gl, ccu, ctok, cnum]
+    if pool is None:
+        ins.append(h0)
+    else:
+        ins += list(rows)
+        if not in_place:
+            ins.append(pool)
+    n_in = len(ins) + (1 if in_place else 0)
 
-    def kernel(w_ref, qg_ref, kdT_ref, aqk_ref, u0_ref, gl_ref, h0_ref, ccu_ref, ctok_ref, cnum_ref,
-               o_ref, ht_ref,
-               w_s, qg_s, kdT_s, aqk_s, u0_s, gl_s, sb, ub, obuf, sst, bar, sbar):
-        n = pl.program_id(0)
-        h = pl.program_id(1)
-        v0 = pl.program_id(2) * vt
-        c0 = ccu_ref[n]
-        nc = ccu_ref[n + 1] - c0
+    def kernel(*refs):
+        w_ref, qg_ref, kdT_ref, aqk_ref, u0_ref, gl_ref, ccu_ref, ctok_ref, cnum_ref = refs[:9]
+        outs = refs[n_in: n_in + len(out_type)]
+        w_s, qg_s, kdT_s, aqk_s, u0_s, gl_s, sb, ub, obuf, sst, bar, sbar = refs[n_in + len(out_type):]
+        o_ref = outs[0]
+        n = lax.axis_index("seq")
+        h = lax.axis_index("head")
+        v0 = lax.axis_index("vtile") * vt
+        tile = lambda ref, *row: ref.at[(*row, slice(None), pl.ds(v0, vt))]
+        if pool is None:  # state tiles of the h0 / ht / snapshot arrays
+            src, zero_start = tile(refs[9], n, h), None
+            dst = lambda i: (tile(outs[1 + i], n, h), None)
+        else:  # state rows of the pool (in place), or ht / snapshot arrays for the caller's scatter
+            base = [r[n] for r in refs[9:12]]
+            pool_ref = refs[12]
+            src, zero_start = tile(pool_ref, jnp.maximum(base[0], 0) + h), base[0] < 0
+            if in_place:
+                dst = lambda i: (tile(pool_ref, jnp.maximum(base[i + 1], 0) + h), base[i + 1] >= 0)
+            else:
+                dst = lambda i: (tile(outs[1 + i], n, h), None)
+        c0 = ccu_ref[2 * n if snap else n]
+        cs = ccu_ref[2 * n + 1] - c0 if snap else None  # chunks before the snapshot
+        nc = ccu_ref[2 * n + 2 if snap else n + 1] - c0
 
         def issue(ci, slot):
             b = bar.at[slot]
@@ -499,15 +546,28 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
             plgpu.copy_gmem_to_smem(u0_ref.at[ci, h, :, pl.ds(v0, vt)], u0_s.at[slot], b)
             plgpu.copy_gmem_to_smem(gl_ref.at[ci, h], gl_s.at[slot], b)
 
-        st = h0_ref.at[n, h, :, pl.ds(v0, vt)]
-        plgpu.copy_gmem_to_smem(st, sst, sbar.at[0])
+        def store_state(S, i):
+            """S -> state output i (0: final, 1: snapshot) through sst; a pool row with a negative
+            base is not written (the TMA store's predicate: no store to the pool under a branch)."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            sst[...] = S
+            plgpu.commit_smem()
+            ref, pred = dst(i)
+            if pred is None:
+                plgpu.copy_smem_to_gmem(sst, ref)
+            else:
+                plgpu.copy_smem_to_gmem(sst, ref, predicate=pred)
+
+        plgpu.copy_gmem_to_smem(src, sst, sbar.at[0])
 
         @pl.when(nc > 0)
         def _():
             issue(c0, 0)
 
         plgpu.barrier_wait(sbar.at[0])
-        S = plgpu.load(sst, (), layout=WGMMA, optimized=False)
+        S = load_tile(sst, WGMMA, optimized=False)
+        if zero_start is not None:
+            S = jnp.where(zero_start, 0.0, S)
 
         def body(c, S):
             slot = lax.rem(c, 2)
@@ -525,10 +585,10 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
                 return acc[...]
 
             wS = pl.run_scoped(wS_fn, plgpu.ACC((C, vt), jnp.float32))
-            u = plgpu.load(u0_s.at[slot], (), layout=WGMMA).astype(jnp.float32) - wS
+            u = load_tile(u0_s.at[slot], WGMMA).astype(jnp.float32) - wS
             ub[...] = u.astype(jnp.bfloat16)
             plgpu.commit_smem()
-            glv = plgpu.load(gl_s.at[slot], (), layout=ROW)
+            glv = load_tile(gl_s.at[slot], ROW)
 
             def upd(refs):
                 acc_o, acc_s = refs
@@ -557,16 +617,18 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
             plgpu.commit_smem_to_gmem_group()
             return S
 
-        S = lax.fori_loop(0, nc, body, S)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        sst[...] = S
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sst, ht_ref.at[n, h, :, pl.ds(v0, vt)])
+        if snap:  # two loops (no state store under a branch), the snapshot stored between them
+            S = lax.fori_loop(0, cs, body, S)
+            store_state(S, 1)
+            S = lax.fori_loop(cs, nc, body, S)
+        else:
+            S = lax.fori_loop(0, nc, body, S)
+        store_state(S, 0)
         plgpu.wait_smem_to_gmem(0)
 
     f = plgpu.kernel(
         kernel,
-        out_type=[jax.ShapeDtypeStruct((T, HV, V), jnp.float32), jax.ShapeDtypeStruct((NS, HV, K, V), jnp.float32)],
+        out_type=out_type,
         grid=(NS, HV, V // vt),
         grid_names=("seq", "head", "vtile"),
         scratch_types=[
@@ -587,7 +649,12 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt):
         compiler_params=plgpu.CompilerParams(),
         kernel_name="kda_chunk_mgpu",
     )
-    return f(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum)
+    if in_place:
+        pool_ref = jax.new_ref(pool)
+        res = f(*ins, pool_ref)
+        o = res[0] if isinstance(res, (list, tuple)) else res
+        return o, pool_ref[...]
+    return tuple(f(*ins))
 
 
 # SMs of an H100 / H200: the inter kernel's CTA count below this leaves SMs idle
@@ -601,23 +668,67 @@ def inter_vt(num_seqs: int, HV: int, V: int) -> int:
     return 32 if num_seqs * HV * (V // 64) < _SMS else 64
 
 
-def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop"):
+def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop", snapshot_at=None):
     """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
     initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
     final_state [N, HV, K, V] f32). prep: "mgpu_loop" (the prep kernel with its levels and Neumann
     doubling as loops: v6, the default), "mgpu" (the same kernel unrolled: v4, 2.4x slower on the
-    H200) or "xla" (`prep.chunk_prep`). vt: the inter kernel's V tile (None: `inter_vt`)."""
-    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep)
-    if vt is None:
-        vt = inter_vt(cu_seqlens.shape[0] - 1, v.shape[-2], v.shape[-1])
-    o, ht = _chunk_inter_call(*ops, q.shape[1], vt=vt)
-    return o[None], ht[: cu_seqlens.shape[0] - 1]
+    H200) or "xla" (`prep.chunk_prep`). vt: the inter kernel's V tile (None: `inter_vt`).
+    snapshot_at [N] int: also return the state after the first snapshot_at[i] tokens of sequence i
+    ([N, HV, K, V]; rows with snapshot_at < 0 are zero): the chunk before that token ends there."""
+    N = cu_seqlens.shape[0] - 1
+    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at)
+    vt = inter_vt(N, v.shape[-2], v.shape[-1]) if vt is None else vt
+    res = _chunk_inter_call(*ops, q.shape[1], vt=vt, snap=snapshot_at is not None)
+    if snapshot_at is None:
+        return res[0][None], res[1][:N]
+    snaps = jnp.where((jnp.asarray(snapshot_at) >= 0)[:, None, None, None], res[2][:N], 0.0)
+    return res[0][None], res[1][:N], snaps
 
 
-def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False):
+def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale, snapshot_at=None,
+               snapshot_slots=None, vt=None, prep="mgpu_loop", api=None):
+    """`chunk` with the states in the recurrent pool [S, L, HV, K, V] f32: sequence i starts from
+    pool[slots[i], layer] (zeros where reset[i]) and its final state goes back there; with
+    snapshot_at, the state after its first snapshot_at[i] tokens goes to pool[snapshot_slots[i],
+    layer] (rows with snapshot_at < 0: none). The kernel reads the states from the pool by row and
+    (api "ref", JAX >= 0.11) writes them in place: no gather or scatter around it. api "scatter"
+    (JAX 0.10, no Mosaic GPU lowering of a JAX Ref): the kernel returns the states and XLA scatters
+    them. -> (o [1, T, HV, V] f32, pool)."""
+    N = cu_seqlens.shape[0] - 1
+    S_, L, HV, K, V = pool.shape
+    api = api or ("scatter" if _pallas_call_available() else "ref")
+    snap = snapshot_at is not None
+    ops = chunk_operands(q, k, v, g, beta, None, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
+                         states=False)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    row = lambda sl: (i32(sl) * L + layer) * HV
+    none = jnp.full((1,), -1, jnp.int32)  # the padding sequence reads zeros and writes nothing
+    src = jnp.concatenate([jnp.where(jnp.asarray(reset, bool), -1, row(slots)), none])
+    dst = jnp.concatenate([row(slots), none])
+    snp = jnp.concatenate([jnp.where(i32(snapshot_at) >= 0, row(snapshot_slots), -1), none]) if snap else dst
+    vt = inter_vt(N, HV, V) if vt is None else vt
+    pool3 = pool.reshape(S_ * L * HV, K, V)
+    res = _chunk_inter_call(*ops, q.shape[1], vt=vt, pool=pool3, rows=(src, dst, snp), snap=snap, api=api)
+    if api == "ref":
+        return res[0][None], res[1].reshape(pool.shape)
+    if api != "scatter":
+        raise ValueError(f"unknown chunk_pool api {api!r}")
+    pool = pool.at[i32(slots), layer].set(res[1][:N])
+    if snap:  # rows without a snapshot go to an out-of-range slot and are dropped
+        to = jnp.where(i32(snapshot_at) >= 0, i32(snapshot_slots), S_)
+        pool = pool.at[to, layer].set(res[2][:N], mode="drop")
+    return res[0][None], pool
+
+
+def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False,
+                   snapshot_at=None, states=True):
     """The part of `chunk` before the sequential kernel: the chunk table and the intra-chunk prep
     -> the operands of `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum).
-    interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests)."""
+    interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests). snapshot_at [N]: each
+    sequence is two segments (its first snapshot_at[i] tokens, the rest), so a chunk ends at the
+    snapshot token; ccu then indexes the 2 (N + 1) segments. states=False: h0 is None (the pool
+    form of the inter kernel reads the states itself)."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     N = cu_seqlens.shape[0] - 1
@@ -626,6 +737,11 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
     # the padding tokens past cu[N] form one more (discarded) sequence with zero inputs, so the
     # kernel writes every output row and the padding rows come out 0
     cu_ext = jnp.concatenate([cu, jnp.full((1,), T, jnp.int32)])
+    if snapshot_at is not None:  # segments: [start, start + a), [start + a, end) per sequence, then
+        # the padding tokens and an empty segment
+        a = jnp.clip(jnp.asarray(snapshot_at, jnp.int32), 0, cu[1:] - cu[:-1])
+        mid = cu[:-1] + a
+        cu_ext = jnp.concatenate([jnp.stack([cu[:-1], mid], 1).reshape(-1), cu[N:], jnp.full((2,), T, jnp.int32)])
     tab = chunk_table(cu_ext, T, C)
     valid = tab.token_valid & (tab.token_idx < cu[N])
     scale = K**-0.5 if scale is None else scale
@@ -659,8 +775,8 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
     else:
         raise ValueError(f"unknown prep {prep!r}")
     kdT = jnp.swapaxes(kd, -1, -2)
-    h0 = jnp.zeros((N + 1, HV, K, V), jnp.float32)
-    if initial_state is not None:
+    h0 = jnp.zeros((N + 1, HV, K, V), jnp.float32) if states else None
+    if states and initial_state is not None:
         h0 = h0.at[:N].set(initial_state.astype(jnp.float32))
     nch = (cu_ext[1:] - cu_ext[:-1] + C - 1) // C
     ccu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])

@@ -32,7 +32,6 @@ Implementations:
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import jax
@@ -158,15 +157,6 @@ def _mgpu():
     return plgpu, mgpu
 
 
-def _load(plgpu, ref, layout):
-    """`plgpu.load` of a whole (already indexed) ref, on JAX 0.10 (index argument required) and
-    0.11 (index argument deprecated)."""
-    p = inspect.signature(plgpu.load).parameters["idx"]
-    if p.default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
 def _launch(body, ins, pool3, out_types, grid, names, scratch, name):
     """Runs `body(idx, *in_refs, pool_ref, *out_refs, *scratch)` over `grid` with the pool updated
     in place (read-only use is fine too). -> (outs list, pool3)."""
@@ -227,11 +217,11 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False)
         plgpu.copy_gmem_to_smem(v_ref.at[n, :, h, pl.ds(v0, vt)], v_smem, b)
         rs = reset_ref[n]
         plgpu.barrier_wait(b)
-        S = _load(plgpu, s_smem, WG)
+        S = mgpu.load_tile(s_smem, WG)
         S = jnp.where(rs != 0, 0.0, S)
         for t in range(T):
-            ld = lambda i: _load(plgpu, vec_smem.at[i, t], ROW)
-            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), _load(plgpu, v_smem.at[t], COL), b_ref[n, t, h])
+            ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
+            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), mgpu.load_tile(v_smem.at[t], COL), b_ref[n, t, h])
             o_smem.at[t][...] = o
             if snapshots:
                 slot = t % 2
@@ -285,10 +275,10 @@ def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64):
         plgpu.copy_gmem_to_smem(g_ref.at[r, :, h], vec_smem.at[1], b)
         plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, pl.ds(v0, vt)], v_smem, b)
         plgpu.barrier_wait(b)
-        S = _load(plgpu, s_smem, WG)  # s_smem keeps S0: the snapshot's initial value
+        S = mgpu.load_tile(s_smem, WG)  # s_smem keeps S0: the snapshot's initial value
         for t in range(T):
-            ld = lambda i: _load(plgpu, vec_smem.at[i, t], ROW)
-            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), _load(plgpu, v_smem.at[t], COL), b_ref[r, t, h])
+            ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
+            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), mgpu.load_tile(v_smem.at[t], COL), b_ref[r, t, h])
             S = jnp.where(t < nk, S_next, S)
 
             @pl.when(t + 1 == sa)

@@ -209,3 +209,54 @@ def test_verify_fold_bitwise_equal_decode():
     S = jax.jit(functools.partial(kda_fold, impl="pallas"))(S0, cap, jnp.full((N,), T))
     np.testing.assert_array_equal(np.asarray(o_ver), np.asarray(jnp.stack(outs, 1)))
     np.testing.assert_array_equal(np.asarray(S), np.asarray(pool[:, 0]))
+
+
+def test_chunk_snapshot_and_pool_states_by_slot():
+    """The chunk kernels with a snapshot at a given token (inside a chunk, on a boundary, none) and
+    with the states read from and written to the pool by slot in place (`kda_chunk_pool`): against
+    the f32 references; a reset slot (NaN) is never read, every other pool row is untouched."""
+    from pallas_kernels.kda import kda_chunk_pool
+
+    lens = [0, 1, 65, 1000, 130]
+    at = np.array([0, 1, 64, 500, -1], np.int32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(cu[-1]) + 11
+    key = jax.random.key(np.random.randint(1 << 30))
+    q, k, v, g, beta = make(key, (1, T), 4, 8)
+    N, HV = len(lens), 8
+    h0 = jax.random.normal(jax.random.key(3), (N, HV, 128, 128), jnp.float32) * 0.05
+    cu_j, at_j = jnp.asarray(cu), jnp.asarray(at)
+    o, ht, snap = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], snapshot_at=a[7],
+                                               impl="pallas"))(q, k, v, g, beta, h0, cu_j, at_j)
+    with jax.default_matmul_precision("highest"):
+        o_r, ht_r, snap_r = kda_chunk(*map(f32ref, (q, k, v, g, beta)), initial_state=h0, cu_seqlens=cu_j,
+                                      snapshot_at=at_j)
+    n = int(cu[-1])
+    assert rel_err(o[:, :n], o_r[:, :n]) < 1e-2
+    for i in range(N):
+        assert rel_err(ht[i], ht_r[i]) < 1e-2, i
+        if at[i] >= 0:
+            assert rel_err(snap[i], snap_r[i]) < 1e-2, i
+    np.testing.assert_array_equal(np.asarray(snap[N - 1]), 0.0)
+
+    NS, L = 12, 2
+    pool = jax.random.normal(jax.random.key(4), (NS, L, HV, 128, 128), jnp.float32) * 0.05
+    slots = jnp.array([3, 7, 0, 10, 5], jnp.int32)
+    snap_slots = jnp.array([1, 2, 4, 6, 8], jnp.int32)
+    reset = jnp.array([False, True, False, False, True])
+    pool = pool.at[jnp.array([7, 5]), 1].set(jnp.nan)
+    pool_np = np.asarray(pool)
+    with jax.default_matmul_precision("highest"):
+        o_r, p_r = kda_chunk_pool(*map(f32ref, (q, k, v, g, beta)), pool, slots, layer=1, cu_seqlens=cu_j,
+                                  reset=reset, snapshot_at=at_j, snapshot_slots=snap_slots)
+    fn = jax.jit(lambda *a: kda_chunk_pool(*a[:7], layer=1, cu_seqlens=a[7], reset=a[8], snapshot_at=a[9],
+                                           snapshot_slots=a[10], impl="pallas"), donate_argnums=(5,))
+    o, p = fn(q, k, v, g, beta, pool, slots, cu_j, reset, at_j, snap_slots)
+    assert rel_err(o[:, :n], o_r[:, :n]) < 1e-2
+    p, p_r = np.asarray(p), np.asarray(p_r)
+    written = np.concatenate([np.asarray(slots), np.asarray(snap_slots)[at >= 0]])
+    for s in written:
+        assert rel_err(p[s, 1], p_r[s, 1]) < 1e-2, s
+    untouched = np.setdiff1d(np.arange(NS), written)
+    np.testing.assert_array_equal(p[untouched], pool_np[untouched])
+    np.testing.assert_array_equal(p[:, 0], pool_np[:, 0])
