@@ -42,10 +42,12 @@ def _rel(a, b):
 
 
 def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
-    """200 tokens (four chunks, the last one partial), prefill through the chunk kernels.
+    """200 tokens (four chunks, the last one partial), prefill through the chunk kernels, whose
+    states the model keeps in the recurrent pool (`kda_chunk_pool`: read and written by slot).
 
     Per KDA layer, on the inputs the model feeds the kernel (K3's gate: g down to -5 per token), the
-    kernel's output and final state against the f32 jnp reference on the same inputs: < 1e-2.
+    kernel's output and the states it writes into the pool against the f32 jnp reference on the
+    same inputs: < 1e-2.
 
     The logits are only compared against a floor measured here: this random-weight model amplifies
     tiny changes (MoE routing flips), so rounding the KDA inputs to bf16 on the XLA path alone moves
@@ -57,22 +59,23 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
         raise RuntimeError("run tests/gpu with JAX_PLATFORMS=cuda,cpu (jax.debug.callback needs the CPU backend)") from e
     ids = np.random.default_rng(0).integers(0, 256, 200).tolist()
     want = dataclasses.replace(model, impl="xla").logits(ids)
-    chunk = model_kda.kda_kernels.kda_chunk
+    chunk_pool = model_kda.kda_kernels.kda_chunk_pool
     errs = []
 
-    def checked(q, k, v, g, beta, *, initial_state=None, cu_seqlens=None, impl="xla"):
-        o, s = chunk(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, impl=impl)
+    def checked(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=None, impl="xla"):
         f32 = lambda x: x.astype(jnp.float32)
         with jax.default_matmul_precision("highest"):
-            o_r, s_r = chunk(*map(f32, (q, k, v, g, beta)), initial_state=initial_state, cu_seqlens=cu_seqlens,
-                             impl="xla")
+            o_r, pool_r = chunk_pool(*map(f32, (q, k, v, g, beta)), pool, slots, layer=layer, cu_seqlens=cu_seqlens,
+                                     reset=reset, impl="xla")
+        o, new = chunk_pool(q, k, v, g, beta, pool, slots, layer=layer, cu_seqlens=cu_seqlens, reset=reset, impl=impl)
         live = (jnp.arange(o.shape[1]) < cu_seqlens[-1])[None, :, None, None]  # rows past the last sequence: padding
         rel = lambda a, b: jnp.linalg.norm(a - b) / jnp.linalg.norm(b)
         jax.debug.callback(lambda *x: errs.append([float(y) for y in x]),
-                           rel(jnp.where(live, o, 0.0), jnp.where(live, o_r, 0.0)), rel(s, s_r), jnp.min(g))
-        return o, s
+                           rel(jnp.where(live, o, 0.0), jnp.where(live, o_r, 0.0)),
+                           rel(new[slots, layer], pool_r[slots, layer]), jnp.min(g))
+        return o, new
 
-    monkeypatch.setattr(model_kda.kda_kernels, "kda_chunk", checked)
+    monkeypatch.setattr(model_kda.kda_kernels, "kda_chunk_pool", checked)
     got = model.logits(ids)
     assert np.isfinite(got).all()
     assert len(errs) == model.config.num_kda_layers, errs
@@ -82,8 +85,8 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
 
     # the floor: the XLA path with the KDA inputs rounded to bf16 (a new config name: a new trace)
     bf = lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
-    rounded = lambda q, k, v, g, beta, **kw: chunk(bf(q), bf(k), bf(v), g, beta, **kw)
-    monkeypatch.setattr(model_kda.kda_kernels, "kda_chunk", rounded)
+    rounded = lambda q, k, v, g, beta, *a, **kw: chunk_pool(bf(q), bf(k), bf(v), g, beta, *a, **kw)
+    monkeypatch.setattr(model_kda.kda_kernels, "kda_chunk_pool", rounded)
     floor_model = dataclasses.replace(model, impl="xla", config=model.config.replace(name="k3-tiny-k128-bf16-kda-inputs"))
     floor = _rel(floor_model.logits(ids), want)
     assert 0 < floor < 0.5
