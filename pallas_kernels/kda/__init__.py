@@ -156,13 +156,20 @@ def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=No
     s0 = jnp.where(reset[:, None, None, None], 0.0, pool[slots, layer])
     if snapshot_at is None:
         o, ht = kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu, impl=impl)
-        return o, pool.at[slots, layer].set(ht)
-    snapshot_at = jnp.asarray(snapshot_at, jnp.int32)
+        return o, write_states(pool, layer, slots, ht)
     o, ht, snap = kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu, impl=impl,
                             snapshot_at=snapshot_at)
-    pool = pool.at[slots, layer].set(ht)
-    to = jnp.where(snapshot_at >= 0, jnp.asarray(snapshot_slots, jnp.int32), pool.shape[0])  # out of range: dropped
-    return o, pool.at[to, layer].set(snap, mode="drop")
+    return o, write_states(pool, layer, slots, ht, snapshot_at, snapshot_slots, snap)
+
+
+def write_states(pool, layer, slots, ht, snapshot_at=None, snapshot_slots=None, snaps=None):
+    """pool[slots[i], layer] = ht[i], and where snapshot_at[i] >= 0, pool[snapshot_slots[i], layer]
+    = snaps[i] (the other rows go to an out-of-range slot and are dropped)."""
+    pool = pool.at[jnp.asarray(slots, jnp.int32), layer].set(ht)
+    if snapshot_at is None:
+        return pool
+    to = jnp.where(jnp.asarray(snapshot_at) >= 0, jnp.asarray(snapshot_slots, jnp.int32), pool.shape[0])
+    return pool.at[to, layer].set(snaps, mode="drop")
 
 
 def _gpu_shapes_ok(K: int, V: int) -> bool:

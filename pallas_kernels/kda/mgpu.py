@@ -714,11 +714,10 @@ def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale
         return res[0][None], res[1].reshape(pool.shape)
     if api != "scatter":
         raise ValueError(f"unknown chunk_pool api {api!r}")
-    pool = pool.at[i32(slots), layer].set(res[1][:N])
-    if snap:  # rows without a snapshot go to an out-of-range slot and are dropped
-        to = jnp.where(i32(snapshot_at) >= 0, i32(snapshot_slots), S_)
-        pool = pool.at[to, layer].set(res[2][:N], mode="drop")
-    return res[0][None], pool
+    from pallas_kernels.kda import write_states
+
+    return res[0][None], write_states(pool, layer, slots, res[1][:N], snapshot_at, snapshot_slots,
+                                      res[2][:N] if snap else None)
 
 
 def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False,
