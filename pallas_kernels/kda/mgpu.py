@@ -565,9 +565,13 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
             issue(c0, 0)
 
         plgpu.barrier_wait(sbar.at[0])
+        if zero_start is not None:  # a reset sequence starts from zeros, whatever the row it read holds
+
+            @pl.when(zero_start)  # (each thread rewrites its own fragment: no barrier before the load)
+            def _():
+                sst[...] = plgpu.layout_cast(jnp.zeros((K, vt), jnp.float32), WGMMA)
+
         S = load_tile(sst, WGMMA, optimized=False)
-        if zero_start is not None:
-            S = jnp.where(zero_start, 0.0, S)
 
         def body(c, S):
             slot = lax.rem(c, 2)

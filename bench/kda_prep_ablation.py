@@ -1,0 +1,158 @@
+"""Where the Mosaic GPU prep kernel's time goes: `mgpu._chunk_prep_call` (v6, loops) alone, on
+pre-gathered chunk rows of one sequence, against copies of it with one phase cut out (ablations,
+"A_*": their outputs are wrong by design, only the time counts) or one candidate change applied.
+
+Each variant is built from `pallas_kernels/kda/mgpu.py`'s source by exact text substitution, so a
+variant whose target text has changed fails loudly (AssertionError naming it) instead of timing
+something else; update the substitution with the kernel. Every variant's outputs are compared with
+the unmodified kernel's (relative error per output, and whether all are finite): a candidate is
+only worth landing with zeros there and tests/gpu passing.
+
+    python3 bench/kda_prep_ablation.py --out bench/results/kda_prep_ablation_h200.json
+
+Needs an H100/H200 (run through the device tool). Timing: R launches inside one jit, the median
+over 7 repeats, per launch. For ptxas's register / spill report, set
+`MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dir` (each variant's kernel is named `prep_<variant>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import types
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench._common import ROOT, run_meta, write_json  # noqa: E402
+
+SRC_PATH = os.path.join(ROOT, "pallas_kernels", "kda", "mgpu.py")
+
+_LEV_TABLE = """            x = ti() ^ ii()
+            lev1 = jnp.where(x == 0, 0, 1)
+            for bit in range(1, nl):
+                lev1 = lev1 + jnp.where(x >= (1 << bit), 1, 0)
+"""
+_S_OLD = "S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)"
+_S_NEW = ("x_ = t_ ^ i_\n                    "
+          "S = jnp.where(x_ < b, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)")
+_SEL_OLD = "sel = (lev1 == lv + 1) & (ti() > ii())"
+_SEL_NEW = "x2 = ti() ^ ii()\n                    sel = (x2 >= b) & (x2 < 2 * b) & (ti() > ii())"
+_SCORES = "sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))"
+_PAIR_OLD = f"""                    {_SCORES}
+                    SEL
+                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
+"""
+_PAIR_NEW = """                    def pair(acc_k, acc_q):
+                        plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
+                        plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
+                        SEL
+                        return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)
+
+                    sk, sq = pl.run_scoped(pair, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+"""
+
+
+def _pair(sel_old, sel_new):
+    """the two score products of a level under one wait, the level's pair mask built while they run"""
+    return [(_PAIR_OLD.replace("SEL", sel_old), _PAIR_NEW.replace("SEL", sel_new.replace("\n", "\n    ")))]
+
+
+# name -> (what it is, [(old text, new text)])
+VARIANTS = {
+    "base": ("v6 as on main", []),
+    "pair": ("candidate: the two score products of a level under one wait, the pair mask built meanwhile",
+             _pair(_SEL_OLD, _SEL_OLD)),
+    "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
+              [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
+    "nolev_pair": ("candidate: nolev and pair", [(_LEV_TABLE, ""), (_S_OLD, _S_NEW)] + _pair(_SEL_OLD, _SEL_NEW)),
+    "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
+                   [("return lax.fori_loop(0, nl, level, (zero, zero))", "return (zero, zero)")]),
+    "A_nosolve": ("ablation: no solve (Tinv = A)",
+                  [("Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))",
+                    "Tinv = A.astype(bf)")]),
+    "A_noscores": ("ablation: no score products in the levels",
+                   [(_SCORES, "sk = sq = plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)")]),
+    "A_noexp": ("ablation: no exp in the levels", [("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.minimum(d, -d)")]),
+    "A_dsum_hi": ("ablation: decay sums from the hi bf16 half of g only (one wgmma instead of two)",
+                  [("return mm([(Sb, gs_s.at[0]), (Sb, gs_s.at[1])], (C, K))", "return mm([(Sb, gs_s.at[0])], (C, K))")]),
+}
+
+
+def build(name: str):
+    """mgpu.py with the variant's substitutions, as a fresh module."""
+    src = open(SRC_PATH).read().replace('kernel_name="kda_chunk_prep_mgpu"', f'kernel_name="prep_{name}"')
+    for old, new in VARIANTS[name][1]:
+        assert old in src, f"variant {name!r}: its target text is no longer in mgpu.py: {old[:70]!r}"
+        src = src.replace(old, new)
+    mod = types.ModuleType(f"mgpu_{name}")
+    exec(compile(src, f"mgpu_{name}.py", "exec"), mod.__dict__)
+    return mod
+
+
+def inputs(T, H, K, seed=0):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    bf = jnp.bfloat16
+    q = jnp.asarray(unit(rng.normal(size=(T, H, K))), bf)  # L2-normed q, k as the model feeds them
+    k = jnp.asarray(unit(rng.normal(size=(T, H, K))), bf)
+    v = jnp.asarray(rng.normal(size=(T, H, K)), bf)
+    g = jnp.asarray(-0.5 * np.log1p(np.exp(rng.normal(size=(T, H, K)))), jnp.float32)
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(H, T)))), jnp.float32)
+    return q, k, v, g, beta
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                    help="which variants, in order (the first one is the error baseline; default: all): "
+                         + ", ".join(VARIANTS))
+    ap.add_argument("--T", type=int, default=32768, help="tokens of the one sequence (a multiple of 64)")
+    ap.add_argument("--heads", type=int, default=12, help="heads (q/k heads = value heads)")
+    ap.add_argument("--repeats", type=int, default=5, help="launches per jit (R)")
+    ap.add_argument("--out", default="bench/results/kda_prep_ablation_h200.json",
+                    help="JSON written after every variant (a run cut short keeps what it measured)")
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    K, C, R = 128, 64, args.repeats
+    assert args.T % C == 0, "--T must be a multiple of 64"
+    q, k, v, g, beta = inputs(args.T, args.heads, K)
+    ctok = jnp.arange(args.T // C, dtype=jnp.int32) * C
+    cnum = jnp.full((args.T // C,), C, jnp.int32)
+    res = dict(run_meta(), shape={"T": args.T, "heads": args.heads, "K": K, "V": K}, repeats=R, results={})
+    ref = None
+    for name in args.variants:
+        mod = build(name)
+        f = jax.jit(lambda *a, mod=mod: [mod._chunk_prep_call(*a, ctok, cnum, cnum, scale=K**-0.5, loops=True)
+                                         for _ in range(R)])
+        row = {"what": VARIANTS[name][0]}
+        try:
+            t0 = time.time()
+            out = jax.block_until_ready(f(q, k, v, g, beta))
+            row["compile_s"] = time.time() - t0
+            ts = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(q, k, v, g, beta))
+                ts.append((time.perf_counter() - t0) / R * 1e3)
+            outs = [np.asarray(x.astype(jnp.float32), np.float64) for x in out[0]]
+            ref = outs if ref is None else ref
+            row["ms"], row["min_ms"] = float(np.median(ts)), float(np.min(ts))
+            row["finite"] = bool(all(np.isfinite(x).all() for x in outs))
+            row["rel_err_vs_first"] = {n: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                                       for n, a, b in zip(("w", "qg", "kd", "u0", "aqk", "gl"), outs, ref)}
+        except Exception as e:  # a variant that does not lower or run: recorded, the others go on
+            row["error"] = repr(e)[:600]
+        res["results"][name] = row
+        print(name, row, flush=True)
+        write_json(args.out, res)
+
+
+if __name__ == "__main__":
+    main()
