@@ -4,7 +4,8 @@ Status (see bench/NOTES.md): `chunk` (prep + inter kernels) and `decode` are che
 measured on the H200 (JAX 0.11.2). `decode` is written for Lane semantics (0.11.2 defaults to
 Warpgroup) and updates the pool in place through a JAX Ref on 0.11.2 (`pl.pallas_call` with an
 alias on 0.10). The prep kernel also runs in Mosaic GPU interpret mode (CPU tests); it is written
-for Lane semantics too.
+for Lane semantics too; the inter kernel for Warpgroup semantics (named in its compiler params,
+so JAX 0.10.2's CPU lowering test lowers it as the H200's 0.11.2 does).
 
 Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile). It
 TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
@@ -566,6 +567,7 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
 
         plgpu.barrier_wait(sbar.at[0])
         if zero_start is not None:  # a reset sequence starts from zeros, whatever the row it read holds
+            # (not a select of the loaded tile: Warpgroup semantics has no scalar-vs-tile select)
 
             @pl.when(zero_start)  # (each thread rewrites its own fragment: no barrier before the load)
             def _():
@@ -650,7 +652,9 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
             plgpu.Barrier(num_arrivals=6, num_barriers=2),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
-        compiler_params=plgpu.CompilerParams(),
+        # Warpgroup semantics, named: JAX 0.11.2's default (what the H200 runs), not 0.10.2's (Lane), so
+        # the CPU lowering test checks the lowering the GPU gets
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="kda_chunk_mgpu",
     )
     if in_place:
