@@ -60,6 +60,12 @@ def _pair(sel_old, sel_new):
     return [(_PAIR_OLD.replace("SEL", sel_old), _PAIR_NEW.replace("SEL", sel_new.replace("\n", "\n    ")))]
 
 
+# the prep kernel's compiler params with approximate math (exp as a multiply and ex2.approx.ftz, as
+# Triton's tl.exp; without it Mosaic GPU lowers jnp.exp to the precise expf)
+_APPROX = [('compiler_params=_LANE,\n        kernel_name="prep_',
+            'compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),'
+            '\n        kernel_name="prep_')]
+
 # name -> (what it is, [(old text, new text)])
 VARIANTS = {
     "base": ("v6 as on main", []),
@@ -68,6 +74,8 @@ VARIANTS = {
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
     "nolev_pair": ("candidate: nolev and pair", [(_LEV_TABLE, ""), (_S_OLD, _S_NEW)] + _pair(_SEL_OLD, _SEL_NEW)),
+    "approx_exp": ("candidate: approx_math=True (exp = multiply + ex2.approx.ftz)", _APPROX),
+    "approx_exp_pair": ("candidate: approx_exp and pair", _APPROX + _pair(_SEL_OLD, _SEL_OLD)),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
                    [("return lax.fori_loop(0, nl, level, (zero, zero))", "return (zero, zero)")]),
     "A_nosolve": ("ablation: no solve (Tinv = A)",
