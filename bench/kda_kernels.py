@@ -189,7 +189,8 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
-PREP_VERSION = "mgpu prep kernel v6 (levels and Neumann doubling as loops)"
+PREP_VERSION = ("mgpu prep kernel v7 (v6 + a level's two score products under one wait + chunk boxes read "
+                "straight from the packed tokens: no gather; precise exp)")
 
 
 def main(argv=None):
@@ -204,6 +205,11 @@ def main(argv=None):
                          "are timed too")
     ap.add_argument("--breakdown", default="1x32768x12",
                     help="prefill shape for the XLA prep breakdown (slow; 'none' skips it)")
+    ap.add_argument("--prep-unrolled", action="store_true",
+                    help="prefill rows also time the prep kernel unrolled (v4: slow to compile, 2.4x slower)")
+    ap.add_argument("--inter-vt", type=int, nargs="*", default=[],
+                    help="prefill rows time the inter kernel alone at these V tiles (default: the one "
+                         "`mgpu.inter_vt` picks)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -371,16 +377,16 @@ def main(argv=None):
             ops = prep(*jin)
             row["prep_ms"] = jax_ms(lambda: ([prep(*jin) for _ in range(R)], R))
             row["prep_version"] = PREP_VERSION
-            # v4: the same kernel unrolled (~21k straight-line PTX instructions per thread)
-            prep4 = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="mgpu"))
-            try:
-                row["prep_unrolled_ms"] = jax_ms(lambda: ([prep4(*jin) for _ in range(R)], R))
-            except Exception as e:  # a variant's failure keeps the row's other figures
-                row["prep_unrolled_error"] = repr(e)[:400]
-            # the inter kernel at both V tiles (vt 32: twice the CTAs, each chunk's products half as
-            # wide); `chunk` picks `mgpu.inter_vt`
+            if args.prep_unrolled:  # v4: the same kernel unrolled (~21k straight-line PTX instructions per thread)
+                prep4 = jax.jit(lambda *a: mgpu.chunk_operands(*map(pk, a[:5]), a[5], cu, scale=128**-0.5, prep="mgpu"))
+                try:
+                    row["prep_unrolled_ms"] = jax_ms(lambda: ([prep4(*jin) for _ in range(R)], R))
+                except Exception as e:  # a variant's failure keeps the row's other figures
+                    row["prep_unrolled_error"] = repr(e)[:400]
+            # the inter kernel alone (vt 32: twice the CTAs, each chunk's products half as wide);
+            # `chunk` picks `mgpu.inter_vt`
             row["inter_vt"] = mgpu.inter_vt(B, H, 128)
-            for vt in (64, 32):
+            for vt in args.inter_vt or [row["inter_vt"]]:
                 inter = jax.jit(lambda *o, vt=vt: mgpu._chunk_inter_call(*o, B * T, vt=vt))
                 try:
                     row[f"inter_vt{vt}_ms"] = jax_ms(lambda: ([inter(*ops) for _ in range(R)], R))
@@ -416,7 +422,7 @@ def main(argv=None):
         if r["op"] == "prefill" and "prep_ms" in r:
             sh = r["shape"]
             g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"
-            print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep v6 {g('prep_ms')} / v4 unrolled "
+            print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep {g('prep_ms')} / v4 unrolled "
                   f"{g('prep_unrolled_ms')} ms, inter vt64 {g('inter_vt64_ms')} / vt32 {g('inter_vt32_ms')} ms "
                   f"(default vt {r.get('inter_vt')})")
     print(f"copy {copy_gbps:.0f} GB/s")

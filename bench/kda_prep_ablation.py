@@ -1,5 +1,5 @@
-"""Where the Mosaic GPU prep kernel's time goes: `mgpu._chunk_prep_call` (v6, loops) alone, on
-pre-gathered chunk rows of one sequence, against copies of it with one phase cut out (ablations,
+"""Where the Mosaic GPU prep kernel's time goes: `mgpu._chunk_prep_call` (v7) alone, on the packed
+rows of one sequence, against copies of it with one phase cut out (ablations,
 "A_*": their outputs are wrong by design, only the time counts) or one candidate change applied.
 
 Each variant is built from `pallas_kernels/kda/mgpu.py`'s source by exact text substitution, so a
@@ -8,7 +8,9 @@ something else; update the substitution with the kernel. Every variant's outputs
 the unmodified kernel's (relative error per output, and whether all are finite): a candidate is
 only worth landing with zeros there and tests/gpu passing.
 
-    python3 bench/kda_prep_ablation.py --out bench/results/kda_prep_ablation_h200.json
+    python3 bench/kda_prep_ablation.py --out bench/results/kda_prep_ablation_run.json
+
+(`bench/results/kda_prep_ablation_h200.json` holds the runs so far, merged by hand under "runs".)
 
 Needs an H100/H200 (run through the device tool). Timing: R launches inside one jit, the median
 over 7 repeats, per launch. For ptxas's register / spill report, set
@@ -38,51 +40,29 @@ _LEV_TABLE = """            x = ti() ^ ii()
 _S_OLD = "S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)"
 _S_NEW = ("x_ = t_ ^ i_\n                    "
           "S = jnp.where(x_ < b, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)")
-_SEL_OLD = "sel = (lev1 == lv + 1) & (ti() > ii())"
-_SEL_NEW = "x2 = ti() ^ ii()\n                    sel = (x2 >= b) & (x2 < 2 * b) & (ti() > ii())"
-_SCORES = "sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))"
-_PAIR_OLD = f"""                    {_SCORES}
-                    SEL
-                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
+_SEL_OLD = "pair_mask = lambda: (lev1 == lv + 1) & (ti() > ii())"
+_SEL_NEW = "pair_mask = lambda: ((ti() ^ ii()) >= b) & ((ti() ^ ii()) < 2 * b) & (ti() > ii())"
+_SCORES = """                            plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
+                            plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
 """
-_PAIR_NEW = """                    def pair(acc_k, acc_q):
-                        plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
-                        plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
-                        SEL
-                        return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)
-
-                    sk, sq = pl.run_scoped(pair, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
-"""
-
-
-def _pair(sel_old, sel_new):
-    """the two score products of a level under one wait, the level's pair mask built while they run"""
-    return [(_PAIR_OLD.replace("SEL", sel_old), _PAIR_NEW.replace("SEL", sel_new.replace("\n", "\n    ")))]
-
-
-# the prep kernel's compiler params with approximate math (exp as a multiply and ex2.approx.ftz, as
-# Triton's tl.exp; without it Mosaic GPU lowers jnp.exp to the precise expf)
-_APPROX = [('compiler_params=_LANE,\n        kernel_name="prep_',
-            'compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True),'
-            '\n        kernel_name="prep_')]
+_PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)"
 
 # name -> (what it is, [(old text, new text)])
 VARIANTS = {
-    "base": ("v6 as on main", []),
-    "pair": ("candidate: the two score products of a level under one wait, the pair mask built meanwhile",
-             _pair(_SEL_OLD, _SEL_OLD)),
+    "base": ("v7 as on main (v6 + a level's two score products under one wait + chunk boxes from the packed rows)",
+             []),
+    "approx_exp": ("candidate: approx_math=True (exp = multiply + ex2.approx.ftz); session 6: G wrong at H == HV",
+                   [(_PARAMS, _PARAMS.replace("LoweringSemantics.Lane)", "LoweringSemantics.Lane, approx_math=True)"))]),
+    "exp2_levels": ("candidate: the levels' exp as exp2(x log2 e) (ex2.approx); session 6: G wrong as well",
+                    [("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.exp2(jnp.minimum(d, -d) * 1.4426950408889634)")]),
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
-    "nolev_pair": ("candidate: nolev and pair", [(_LEV_TABLE, ""), (_S_OLD, _S_NEW)] + _pair(_SEL_OLD, _SEL_NEW)),
-    "approx_exp": ("candidate: approx_math=True (exp = multiply + ex2.approx.ftz)", _APPROX),
-    "approx_exp_pair": ("candidate: approx_exp and pair", _APPROX + _pair(_SEL_OLD, _SEL_OLD)),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
                    [("return lax.fori_loop(0, nl, level, (zero, zero))", "return (zero, zero)")]),
     "A_nosolve": ("ablation: no solve (Tinv = A)",
                   [("Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))",
                     "Tinv = A.astype(bf)")]),
-    "A_noscores": ("ablation: no score products in the levels",
-                   [(_SCORES, "sk = sq = plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)")]),
+    "A_noscores": ("ablation: no score products in the levels (zero scores)", [(_SCORES, "")]),
     "A_noexp": ("ablation: no exp in the levels", [("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.minimum(d, -d)")]),
     "A_dsum_hi": ("ablation: decay sums from the hi bf16 half of g only (one wgmma instead of two)",
                   [("return mm([(Sb, gs_s.at[0]), (Sb, gs_s.at[1])], (C, K))", "return mm([(Sb, gs_s.at[0])], (C, K))")]),
@@ -122,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--T", type=int, default=32768, help="tokens of the one sequence (a multiple of 64)")
     ap.add_argument("--heads", type=int, default=12, help="heads (q/k heads = value heads)")
     ap.add_argument("--repeats", type=int, default=5, help="launches per jit (R)")
-    ap.add_argument("--out", default="bench/results/kda_prep_ablation_h200.json",
+    ap.add_argument("--out", default="bench/results/kda_prep_ablation_run.json",
                     help="JSON written after every variant (a run cut short keeps what it measured)")
     args = ap.parse_args(argv)
     import jax

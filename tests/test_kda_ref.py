@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import kda_chunk, kda_chunk_ref, kda_decode, kda_recurrent_ref
+from pallas_kernels.kda.ref import kda_chunk_varlen_ref
 
 
 def l2(x):
@@ -74,7 +75,10 @@ def test_chunk_strong_decay_no_overflow():
     np.testing.assert_allclose(np.asarray(o_c), np.asarray(o_r), atol=1e-5)
 
 
-def test_varlen_chunk_matches_per_sequence():
+@pytest.mark.parametrize("align", [1, 8])
+def test_varlen_chunk_matches_per_sequence(align):
+    """align 8: chunk boxes on multiples of 8 packed rows (the Mosaic GPU path's table), so first
+    chunks start with rows of the previous sequence masked to zero."""
     rng = np.random.default_rng(11)
     lens = [37, 0, 64, 1, 130, 5]
     H, HV, K, V = 2, 4, 16, 8
@@ -82,7 +86,10 @@ def test_varlen_chunk_matches_per_sequence():
     T = int(cu[-1]) + 9  # trailing padding tokens
     q, k, v, g, beta = make_inputs(rng, 1, T, H, HV, K, V)
     S0 = rng.normal(size=(len(lens), HV, K, V))
-    fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6]))
+    if align == 1:  # the public entry point
+        fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6]))
+    else:
+        fn = jax.jit(lambda *a: kda_chunk_varlen_ref(*a[:5], None, a[5], a[6], 64, align))
     o, S = fn(*f32(q, k, v, g, beta, S0), jnp.asarray(cu))
     o, S = np.asarray(o), np.asarray(S)
     for i, n in enumerate(lens):

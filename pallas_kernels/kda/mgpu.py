@@ -85,6 +85,13 @@ def _bf16_tiled(cols, max_swizzle=128):
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+# Not approx_math: with it (or with exp2 = ex2.approx in the levels) the prep kernel ran 1.7 -> 1.06 ms at
+# 32k / 12 heads, but its G (the in-chunk cumulative decay: w, qg, gl) came out wrong whenever H == HV,
+# while kd, aqk and u0 stayed exact (bench/NOTES.md, session 6): a hazard that the code generation
+# hides or exposes, not the exp's accuracy. Not landed until it is understood.
+_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
 def _pallas_call_available() -> bool:
     try:
         from jax._src.pallas import core as pallas_core
@@ -233,6 +240,11 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
 # ---- chunked prefill: intra-chunk prep -----------------------------------------------------
 
 
+# chunk boxes start on multiples of this many packed rows (`chunk_table(..., align=_ALIGN)`): a chunk
+# whose first token is row tok holds it at chunk position tok % _ALIGN
+_ALIGN = 8
+
+
 def _gpu_interpret_params():
     """Mosaic GPU interpret mode (runs a `plgpu.kernel` on the CPU, simulating SMEM, TMA and
     barriers): how the CPU tests check the prep kernel itself. Not exported by
@@ -251,14 +263,17 @@ def _bf16_split(x):
 
 def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False, loops=False):
     """Intra-chunk prep (`prep.chunk_prep`'s algorithm) as one Mosaic GPU kernel: one CTA (one
-    warpgroup) per (chunk, value head), its inputs TMA-loaded from chunk rows.
+    warpgroup) per (chunk, value head), its inputs TMA-loaded straight from the packed tokens.
 
-    q, k [R, H, K] bf16; v [R, HV, V] bf16; g [R, HV, K] f32; beta_t [HV, R] f32, chunk rows;
-    ctok [NC] first row of each chunk (a multiple of 8: TMA boxes into swizzled tiles), cnum [NC]
-    its token count (0: a dead chunk, skipped) and cval [NC] its count of real tokens (rows from
-    cval on are zeroed after the load, so chunks of padding come out zero). Returns the
+    q, k [R, H, K] bf16; v [R, HV, V] bf16; g [R, HV, K] f32; beta_t [HV, R] f32, packed rows (R a
+    multiple of 8); ctok [NC] the first packed row of each chunk: its box of C rows starts at
+    ctok rounded down to a multiple of 8 (`chunk_table(..., align=8)`; TMA boxes into swizzled
+    tiles start on whole tiles of 8 rows); cnum [NC] its token count (0: a dead chunk, skipped) and
+    cval [NC] its count of real tokens (the box's rows outside [ctok, ctok + cval) are zeroed after
+    the load, so chunks of padding come out zero). Returns the
     chunk-layout operands w, qg, kd [NC, HV, C, K] bf16, u0 [NC, HV, C, V] bf16, aqk
-    [NC, HV, C, C] bf16 and gl [NC, HV, K] f32. interpret: Mosaic GPU interpret mode (CPU). loops
+    [NC, HV, C, C] bf16 and gl [NC, HV, K] f32, chunk position p holding box row p (the first
+    ctok % 8 positions are zero). interpret: Mosaic GPU interpret mode (CPU). loops
     (v6): the six levels and the Neumann doubling as `lax.fori_loop`s, one copy of each body in
     the kernel's code, instead of unrolled (v4: ~21k straight-line PTX instructions per thread).
 
@@ -284,6 +299,8 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
         h = lax.axis_index("head")
         tok = ctok_ref[c]
         cnt = cval_ref[c]
+        lead = lax.rem(tok, _ALIGN)  # rows of the chunk's box before its first token
+        box = tok - lead  # the box's first packed row: a multiple of 8, as a TMA box into swizzled tiles needs
         hq = h // Gq
         # Index tiles are rebuilt where used and constants stay splat scalars, to keep registers
         # free; the scratch beyond q, k, the g split and beta lives in scopes (SMEM is a stack),
@@ -326,16 +343,16 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
         @pl.when(cnum_ref[c] > 0)
         def _():
-            # the chunk's rows start on a multiple of 64 (the caller gathers chunks into aligned
-            # rows: a TMA box into swizzled tiles must start on a multiple of 8 rows); rows past
-            # the chunk's real tokens -> 0, once, in place
-            live = lambda n: it((C, n), 0) < cnt
+            # the chunk's box is read straight from the packed tokens; its rows outside the chunk's
+            # real tokens [lead, lead + cnt) (the previous sequence's last tokens, the next one's
+            # first, padding) -> 0, once, in place
+            live = lambda n: (it((C, n), 0) >= lead) & (it((C, n), 0) < lead + cnt)
 
             def load_g(g32):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok, C), hq], q_s, bar.at[0])
-                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(tok, C), hq], k_s, bar.at[0])
-                plgpu.copy_gmem_to_smem(b_ref.at[h, pl.ds(tok, C)], b_s, bar.at[0])
-                plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(tok, C), h], g32, bar.at[0])
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(box, C), hq], q_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(box, C), hq], k_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(b_ref.at[h, pl.ds(box, C)], b_s, bar.at[0])
+                plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(box, C), h], g32, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
                 q_s[...] = jnp.where(live(K), ld(q_s), 0.0).astype(bf)
                 k_s[...] = jnp.where(live(K), ld(k_s), 0.0).astype(bf)
@@ -375,9 +392,19 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                     plgpu.commit_smem()
                     eq = (ld(q_s) * e).astype(bf)
 
-                    sk, sq = mm([(ek, rT)], (C, C)), mm([(eq, rT)], (C, C))
-                    sel = (lev1 == lv + 1) & (ti() > ii())
-                    sk, sq = jnp.where(sel, sk, 0.0), jnp.where(sel, sq, 0.0)
+                    # the two score products under one wait, the level's pair mask built meanwhile
+                    pair_mask = lambda: (lev1 == lv + 1) & (ti() > ii())
+                    if interpret:
+                        sel = pair_mask()
+                        sk, sq = jnp.where(sel, mm([(ek, rT)], (C, C)), 0.0), jnp.where(sel, mm([(eq, rT)], (C, C)), 0.0)
+                    else:
+                        def pair(acc_k, acc_q):
+                            plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
+                            plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
+                            sel = pair_mask()
+                            return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)
+
+                        sk, sq = pl.run_scoped(pair, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
                     return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
 
                 if loops:
@@ -404,10 +431,11 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 store_out(kk * jnp.exp(dl), kd_ref.at[c, h])
                 eG = jnp.exp(G)
                 bt = load(b_s, ROW)
-                gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)
+                # (beta is masked with the product: a row outside the chunk may hold anything)
+                gs_s[0] = jnp.where(live(K), kk * eG * _bc_rows(bt, (C, K)), 0.0).astype(bf)
 
                 def load_v(v_s):
-                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(tok, C), h], v_s, vbar.at[0])
+                    plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(box, C), h], v_s, vbar.at[0])
                     plgpu.barrier_wait(vbar.at[0])
                     gs_s[1] = jnp.where(live(V), ld(v_s) * _bc_rows(bt, (C, V)), 0.0).astype(bf)
 
@@ -418,7 +446,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
             # (I + A)^-1, A = beta * akk (rows past cnt are 0: k is 0 there): the 16 x 16 diagonal
             # blocks by Neumann doubling, then the merge (I - M)(I + M^2) D^-1
-            A = akk * _bc_rows(bt, (C, C))
+            A = jnp.where(live(C), akk * _bc_rows(bt, (C, C)), 0.0)
 
             def solve(p_s):
                 def mm3(X, Y):
@@ -469,7 +497,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
             plgpu.Barrier(num_arrivals=4, num_barriers=1),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
-        compiler_params=_LANE,
+        compiler_params=_PREP_PARAMS,
         kernel_name="kda_chunk_prep_mgpu",
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
@@ -485,7 +513,8 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
                       snap=False, api="ref"):
     """Sequential part. Chunk-layout operands (NC chunks): w, qg [NC, HV, C, K] bf16; kdT
     [NC, HV, K, C] bf16; aqk [NC, HV, C, C] bf16; u0 [NC, HV, C, V] bf16; gl [NC, HV, K] f32;
-    ctok / cnum [NC] first packed token and token count of each chunk. One CTA per (sequence, value
+    ctok / cnum [NC] first packed token and token count of each chunk (which holds that token at
+    chunk position ctok % 8: `chunk_table(..., align=8)`). One CTA per (sequence, value
     head, V tile) walks its sequence's chunks.
 
     ccu: the chunk offsets of the NS sequences, [NS + 1]; with `snap`, of 2 NS segments, [2 NS + 1]:
@@ -606,12 +635,12 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
             o, S = pl.run_state(upd)((plgpu.ACC.init(zeros), plgpu.ACC.init(S * _bc_rows(glv, (K, vt)))))
             # o -> packed rows [tok, tok + cnt) through a ladder of static-size TMA stores
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this buffer's stores from chunk c-2
-            base = slot * C
-            obuf[pl.ds(base, C), :] = o
+            obuf[pl.ds(slot * C, C), :] = o
             plgpu.commit_smem()
             ci = c0 + c
             tok = ctok_ref[ci]
             cnt = cnum_ref[ci]
+            base = slot * C + lax.rem(tok, _ALIGN)  # the chunk's first token in obuf
             off = jnp.int32(0)
             for p in _LADDER:
                 take = (cnt & p) != 0
@@ -749,21 +778,24 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
         a = jnp.clip(jnp.asarray(snapshot_at, jnp.int32), 0, cu[1:] - cu[:-1])
         mid = cu[:-1] + a
         cu_ext = jnp.concatenate([jnp.stack([cu[:-1], mid], 1).reshape(-1), cu[N:], jnp.full((2,), T, jnp.int32)])
-    tab = chunk_table(cu_ext, T, C)
+    tab = chunk_table(cu_ext, T, C, align=_ALIGN)
     valid = tab.token_valid & (tab.token_idx < cu[N])
     scale = K**-0.5 if scale is None else scale
     bf = jnp.bfloat16
-    ctok = tab.token_idx[:, 0]
+    ctok = tab.token_idx[:, 0] + tab.chunk_lead  # first token of each chunk
     cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
     if prep in ("mgpu", "mgpu_loop"):
-        # chunks gathered into 64-aligned rows (one pass over the inputs, in their own dtypes)
+        # the kernel reads each chunk's box straight from the packed tokens (rows padded to a
+        # multiple of 8 only where T is not one: a TMA box into swizzled tiles covers whole tiles).
+        # The last boxes may reach past the rows: the TMA fills those with zeros on the GPU, while
+        # interpret mode rejects reads out of bounds, so there the rows are padded to cover them
         cval = jnp.sum(valid, axis=1).astype(jnp.int32)
-        rows = jnp.clip(tab.token_idx, 0, T - 1).reshape(-1)
-        rg = lambda x, dt: x[0][rows].astype(dt)
+        pad = (-T % _ALIGN) + (C if interpret else 0)
+        rows = lambda x, dt: jnp.pad(x[0].astype(dt), [(0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x[0].astype(dt)
+        beta_t = jnp.swapaxes(rows(beta, jnp.float32), 0, 1)
         w, qg, kd, u0, aqk, gl = _chunk_prep_call(
-            rg(q, bf), rg(k, bf), rg(v, bf), rg(g, jnp.float32), jnp.swapaxes(rg(beta, jnp.float32), 0, 1),
-            jnp.arange(ctok.shape[0], dtype=jnp.int32) * C, cnum, cval, scale=scale, interpret=interpret,
-            loops=prep == "mgpu_loop",
+            rows(q, bf), rows(k, bf), rows(v, bf), rows(g, jnp.float32), beta_t, ctok, cnum, cval, scale=scale,
+            interpret=interpret, loops=prep == "mgpu_loop",
         )
     elif prep == "xla":
         idx = jnp.clip(tab.token_idx, 0, T - 1)
@@ -785,6 +817,4 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
     h0 = jnp.zeros((N + 1, HV, K, V), jnp.float32) if states else None
     if states and initial_state is not None:
         h0 = h0.at[:N].set(initial_state.astype(jnp.float32))
-    nch = (cu_ext[1:] - cu_ext[:-1] + C - 1) // C
-    ccu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])
-    return w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum
+    return w, qg, kdT, aqk, u0, gl, h0, tab.seq_chunks, ctok, cnum

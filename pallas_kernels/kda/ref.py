@@ -133,13 +133,15 @@ def kda_chunk_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_siz
     return o[:, :T], S
 
 
-def kda_chunk_varlen_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
-    """Packed varlen chunked KDA over `[1, T]` with `cu_seqlens [N+1]` (a traced array)."""
+def kda_chunk_varlen_ref(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, align=1):
+    """Packed varlen chunked KDA over `[1, T]` with `cu_seqlens [N+1]` (a traced array). align: the
+    chunk table's box alignment (`chunk_table`; the Mosaic GPU path's 8: a sequence's first chunk
+    then starts with up to 7 zero rows, which leave the state as it is)."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     N = cu_seqlens.shape[0] - 1
     q, k, v, g, beta = _prep(q[0], k[0], v[0], g[0], beta[0], scale)
-    tab = chunk_table(cu_seqlens, T, chunk_size)
+    tab = chunk_table(cu_seqlens, T, chunk_size, align)
     idx, valid = tab.token_idx, tab.token_valid  # [NC, C]
     gather = lambda x: jnp.where(
         valid.reshape(valid.shape + (1,) * (x.ndim - 1)), x[jnp.clip(idx, 0, T - 1)], 0.0

@@ -72,9 +72,9 @@ def test_varlen_chunk(H, HV, vt):
     """vt: the inter kernel's V tile (64 through `kda_chunk`; 32: twice the CTAs, 64-byte swizzles)."""
     lens = [0, 1, 63, 64, 65, 1000, 130, 0, 2048]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    T = int(cu[-1]) + 37  # padding tokens
+    T = int(cu[-1]) + 37  # padding tokens, NaN: the kernels read chunk boxes around them and must mask them
     key = jax.random.key(np.random.randint(1 << 30))
-    q, k, v, g, beta = make(key, (1, T), H, HV)
+    q, k, v, g, beta = (x.at[:, int(cu[-1]):].set(jnp.nan) for x in make(key, (1, T), H, HV))
     h0 = jax.random.normal(jax.random.key(3), (len(lens), HV, 128, 128), jnp.float32) * 0.05
     cu = jnp.asarray(cu)
     if vt == 64:
