@@ -47,14 +47,49 @@ _SCORES = """                            plgpu.wgmma(acc_k, ek, plgpu.transpose_
 """
 _PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)"
 
+_APPROX = (_PARAMS, _PARAMS.replace("LoweringSemantics.Lane)", "LoweringSemantics.Lane, approx_math=True)"))
+_LEAN = [
+    ("""                bt = load(b_s, ROW)
+""", """                bt = load(b_s, ROW)
+                rb = cast(lax.broadcasted_iota(jnp.int32, (C,), 0), ROW)
+                bt = jnp.where((rb >= lead) & (rb < lead + cnt), bt, 0.0)
+"""),
+    ("gs_s[0] = jnp.where(live(K), kk * eG * _bc_rows(bt, (C, K)), 0.0).astype(bf)",
+     "gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)"),
+    ("A = jnp.where(live(C), akk * _bc_rows(bt, (C, C)), 0.0)", "A = akk * _bc_rows(bt, (C, C))"),
+    ("""                q_s[...] = jnp.where(live(K), ld(q_s), 0.0).astype(bf)
+                k_s[...] = jnp.where(live(K), ld(k_s), 0.0).astype(bf)
+                g_hi, g_lo = _bf16_split(jnp.where(live(K), ld(g32), 0.0))""",
+     """                lk = live(K)
+                q_s[...] = jnp.where(lk, ld(q_s), 0.0).astype(bf)
+                k_s[...] = jnp.where(lk, ld(k_s), 0.0).astype(bf)
+                g_hi, g_lo = _bf16_split(jnp.where(lk, ld(g32), 0.0))"""),
+]
+_BARRIER = [
+    ("""                    plgpu.wgmma(acc, a, plgpu.transpose_ref(b[1], (1, 0)) if isinstance(b, tuple) else b)
+                return acc[...]""",
+     """                    plgpu.wgmma(acc, a, plgpu.transpose_ref(b[1], (1, 0)) if isinstance(b, tuple) else b)
+                out = acc[...]
+                return lax.optimization_barrier((out, *[a for a, _ in pairs]))[0]"""),
+    ("return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)",
+     "rk, rq, _, _ = lax.optimization_barrier((acc_k[...], acc_q[...], ek, eq))\n"
+     "                            return jnp.where(sel, rk, 0.0), jnp.where(sel, rq, 0.0)"),
+]
+
 # name -> (what it is, [(old text, new text)])
 VARIANTS = {
     "base": ("v7 as on main (v6 + a level's two score products under one wait + chunk boxes from the packed rows)",
              []),
     "approx_exp": ("candidate: approx_math=True (exp = multiply + ex2.approx.ftz); session 6: G wrong at H == HV",
-                   [(_PARAMS, _PARAMS.replace("LoweringSemantics.Lane)", "LoweringSemantics.Lane, approx_math=True)"))]),
+                   [_APPROX]),
     "exp2_levels": ("candidate: the levels' exp as exp2(x log2 e) (ex2.approx); session 6: G wrong as well",
                     [("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.exp2(jnp.minimum(d, -d) * 1.4426950408889634)")]),
+    "lean": ("candidate: beta masked once as a row vector (v6's plain products for the rhs and A), the row mask "
+             "of the loads built once: v7's 0.36 ms back?", _LEAN),
+    "approx_barrier": ("diagnosis: approx_exp with every register A operand of a wgmma kept alive past the wait "
+                       "(lax.optimization_barrier after it): right again if the G hazard is a register reuse",
+                       [_APPROX] + _BARRIER),
+    "approx_lean_barrier": ("candidate: lean + approx_barrier", [_APPROX] + _LEAN + _BARRIER),
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
