@@ -189,8 +189,8 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
-PREP_VERSION = ("mgpu prep kernel v7 (v6 + a level's two score products under one wait + chunk boxes read "
-                "straight from the packed tokens: no gather; precise exp)")
+PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
+                "products under one wait; + beta and the load row mask built once, and approx exp)")
 
 
 def main(argv=None):

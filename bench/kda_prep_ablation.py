@@ -45,26 +45,9 @@ _SEL_NEW = "pair_mask = lambda: ((ti() ^ ii()) >= b) & ((ti() ^ ii()) < 2 * b) &
 _SCORES = """                            plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
                             plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
 """
-_PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)"
+_PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True)"
 
-_APPROX = (_PARAMS, _PARAMS.replace("LoweringSemantics.Lane)", "LoweringSemantics.Lane, approx_math=True)"))
-_LEAN = [
-    ("""                bt = load(b_s, ROW)
-""", """                bt = load(b_s, ROW)
-                rb = cast(lax.broadcasted_iota(jnp.int32, (C,), 0), ROW)
-                bt = jnp.where((rb >= lead) & (rb < lead + cnt), bt, 0.0)
-"""),
-    ("gs_s[0] = jnp.where(live(K), kk * eG * _bc_rows(bt, (C, K)), 0.0).astype(bf)",
-     "gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)"),
-    ("A = jnp.where(live(C), akk * _bc_rows(bt, (C, C)), 0.0)", "A = akk * _bc_rows(bt, (C, C))"),
-    ("""                q_s[...] = jnp.where(live(K), ld(q_s), 0.0).astype(bf)
-                k_s[...] = jnp.where(live(K), ld(k_s), 0.0).astype(bf)
-                g_hi, g_lo = _bf16_split(jnp.where(live(K), ld(g32), 0.0))""",
-     """                lk = live(K)
-                q_s[...] = jnp.where(lk, ld(q_s), 0.0).astype(bf)
-                k_s[...] = jnp.where(lk, ld(k_s), 0.0).astype(bf)
-                g_hi, g_lo = _bf16_split(jnp.where(lk, ld(g32), 0.0))"""),
-]
+_PRECISE = (_PARAMS, _PARAMS.replace(", approx_math=True)", ")"))
 _BARRIER = [
     ("""                    plgpu.wgmma(acc, a, plgpu.transpose_ref(b[1], (1, 0)) if isinstance(b, tuple) else b)
                 return acc[...]""",
@@ -78,18 +61,13 @@ _BARRIER = [
 
 # name -> (what it is, [(old text, new text)])
 VARIANTS = {
-    "base": ("v7 as on main (v6 + a level's two score products under one wait + chunk boxes from the packed rows)",
-             []),
-    "approx_exp": ("candidate: approx_math=True (exp = multiply + ex2.approx.ftz); session 6: G wrong at H == HV",
-                   [_APPROX]),
-    "exp2_levels": ("candidate: the levels' exp as exp2(x log2 e) (ex2.approx); session 6: G wrong as well",
-                    [("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.exp2(jnp.minimum(d, -d) * 1.4426950408889634)")]),
-    "lean": ("candidate: beta masked once as a row vector (v6's plain products for the rhs and A), the row mask "
-             "of the loads built once: v7's 0.36 ms back?", _LEAN),
-    "approx_barrier": ("diagnosis: approx_exp with every register A operand of a wgmma kept alive past the wait "
-                       "(lax.optimization_barrier after it): right again if the G hazard is a register reuse",
-                       [_APPROX] + _BARRIER),
-    "approx_lean_barrier": ("candidate: lean + approx_barrier", [_APPROX] + _LEAN + _BARRIER),
+    "base": ("v7 as on main (v6 + a level's two score products under one wait + chunk boxes from the packed "
+             "rows + 'lean': beta masked once as a row vector, the load mask built once + approx exp)", []),
+    "precise_exp": ("baseline: exp without approx_math (main before session 7's run A4)", [_PRECISE]),
+    "exp2_levels": ("candidate: precise exp, the levels' exp as exp2(x log2 e) (ex2.approx); session 6: G wrong",
+                    [_PRECISE, ("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.exp2(jnp.minimum(d, -d) * 1.4426950408889634)")]),
+    "barrier": ("diagnosis: every register A operand of a wgmma kept alive past the wait (lax.optimization_barrier "
+                "after it); run A3: made no difference to the G hazard", _BARRIER),
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",

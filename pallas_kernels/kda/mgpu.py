@@ -85,11 +85,14 @@ def _bf16_tiled(cols, max_swizzle=128):
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-# Not approx_math: with it (or with exp2 = ex2.approx in the levels) the prep kernel ran 1.7 -> 1.06 ms at
-# 32k / 12 heads, but its G (the in-chunk cumulative decay: w, qg, gl) came out wrong whenever H == HV,
-# while kd, aqk and u0 stayed exact (bench/NOTES.md, session 6): a hazard that the code generation
-# hides or exposes, not the exp's accuracy. Not landed until it is understood.
-_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+# approx_math (exp as a multiply + ex2.approx.ftz, as Triton's tl.exp): 1.36 -> 1.03 ms at 32k / 12 heads
+# (bench/kda_prep_ablation.py, run A4), outputs within 2e-5 of precise exp. Before the beta / row masks were
+# made lean (session 7) the same flag gave a wrong G (the in-chunk cumulative decay: w, qg, gl) whenever
+# H == HV, while kd, aqk and u0 stayed exact; so did a precise-exp variant without the level-index tile
+# (session 5). The PTX around G is right and compute-sanitizer's racecheck finds nothing: a hazard that
+# the code generation (ptxas, 255 registers with spills) hides or exposes, not the exp's accuracy. Any
+# change to this kernel must pass tests/gpu on the H200 (three of its tests caught it).
+_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True)
 
 
 def _pallas_call_available() -> bool:
@@ -354,9 +357,10 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 plgpu.copy_gmem_to_smem(b_ref.at[h, pl.ds(box, C)], b_s, bar.at[0])
                 plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(box, C), h], g32, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
-                q_s[...] = jnp.where(live(K), ld(q_s), 0.0).astype(bf)
-                k_s[...] = jnp.where(live(K), ld(k_s), 0.0).astype(bf)
-                g_hi, g_lo = _bf16_split(jnp.where(live(K), ld(g32), 0.0))
+                lk = live(K)  # built once: index tiles cost registers and instructions
+                q_s[...] = jnp.where(lk, ld(q_s), 0.0).astype(bf)
+                k_s[...] = jnp.where(lk, ld(k_s), 0.0).astype(bf)
+                g_hi, g_lo = _bf16_split(jnp.where(lk, ld(g32), 0.0))
                 gs_s[0] = g_hi
                 gs_s[1] = g_lo
                 plgpu.commit_smem()
@@ -430,9 +434,11 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 kk = ld(k_s)
                 store_out(kk * jnp.exp(dl), kd_ref.at[c, h])
                 eG = jnp.exp(G)
-                bt = load(b_s, ROW)
-                # (beta is masked with the product: a row outside the chunk may hold anything)
-                gs_s[0] = jnp.where(live(K), kk * eG * _bc_rows(bt, (C, K)), 0.0).astype(bf)
+                # beta of the rows outside the chunk may be anything (NaN too): masked once, as a
+                # row vector; k and g are already zero there, so the products below are zero
+                rows = cast(lax.broadcasted_iota(jnp.int32, (C,), 0), ROW)
+                bt = jnp.where((rows >= lead) & (rows < lead + cnt), load(b_s, ROW), 0.0)
+                gs_s[0] = (kk * eG * _bc_rows(bt, (C, K))).astype(bf)
 
                 def load_v(v_s):
                     plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(box, C), h], v_s, vbar.at[0])
@@ -446,7 +452,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
             # (I + A)^-1, A = beta * akk (rows past cnt are 0: k is 0 there): the 16 x 16 diagonal
             # blocks by Neumann doubling, then the merge (I - M)(I + M^2) D^-1
-            A = jnp.where(live(C), akk * _bc_rows(bt, (C, C)), 0.0)
+            A = akk * _bc_rows(bt, (C, C))
 
             def solve(p_s):
                 def mm3(X, Y):
