@@ -61,8 +61,8 @@ _BARRIER = [
 
 # name -> (what it is, [(old text, new text)])
 VARIANTS = {
-    "base": ("v7 as on main (v6 + a level's two score products under one wait + chunk boxes from the packed "
-             "rows + 'lean': beta masked once as a row vector, the load mask built once + approx exp)", []),
+    "base": ("v8 as on main (v7: chunk boxes from the packed rows, a level's two score products under one "
+             "wait; + 'lean': beta masked once as a row vector, the load mask built once; + approx exp)", []),
     "precise_exp": ("baseline: exp without approx_math (main before session 7's run A4)", [_PRECISE]),
     "exp2_levels": ("candidate: precise exp, the levels' exp as exp2(x log2 e) (ex2.approx); session 6: G wrong",
                     [_PRECISE, ("e = jnp.exp(jnp.minimum(d, -d))", "e = jnp.exp2(jnp.minimum(d, -d) * 1.4426950408889634)")]),
