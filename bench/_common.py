@@ -3,11 +3,16 @@ has uncommitted changes), machine, JAX version and devices, and the UTC time."""
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
+import gzip
 import json
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,3 +43,51 @@ def write_json(path: str, res: dict) -> None:
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
         f.write("\n")
+
+
+def device_events(run, steps, device="/device:GPU"):
+    """Runs `run()` `steps` times under `jax.profiler.trace` -> the trace's complete events ("X",
+    with "ts" and "dur" in us) on the processes whose name contains `device`."""
+    import jax
+
+    d = tempfile.mkdtemp(prefix="k3prof")
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(steps):
+                jax.block_until_ready(run())
+        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+        tr = json.load(gzip.open(path))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    pids = {p for p, n in procs.items() if device in n}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e]
+
+
+def kernel_summary(events, per):
+    """Device events of `per` steps -> per step: each kernel's count and us, the busy time (the union
+    of the kernel intervals), and the span from the first kernel's start to the last one's end (its
+    gaps included); and the idle gaps between consecutive kernels (median, and the median of those
+    under 200 us, which leaves out the host round trips between timed calls)."""
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        by[e["name"][:80]][0] += 1
+        by[e["name"][:80]][1] += e["dur"]
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    busy, end = 0.0, None
+    for a, b in iv:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    gaps = sorted(max(0.0, b[0] - a[1]) for a, b in zip(iv, iv[1:]))
+    short = [x for x in gaps if x < 200.0]
+    med = lambda xs: xs[len(xs) // 2] if xs else None
+    return {"kernels": {n: {"per_step": c / per, "us_per_step": t / per, "mean_us": t / c}
+                        for n, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])},
+            "busy_us_per_step": busy / per,
+            "span_us_per_step": (iv[-1][1] - iv[0][0]) / per if iv else 0.0,
+            "gap_us_median": med(gaps), "gap_us_median_under_200": med(short), "gaps_over_200": len(gaps) - len(short)}

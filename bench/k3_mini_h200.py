@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 
@@ -35,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bench.step_xla as step_xla  # noqa: E402
+from bench._common import device_events  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
 from k3jax.model.forward import split_layers, step  # noqa: E402
@@ -119,18 +116,7 @@ def _event_op(e, scopes):
 
 def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
     """Runs `run()` `steps` times under the profiler; -> {layer type: ms per step, ...}."""
-    d = tempfile.mkdtemp(prefix="k3prof")
-    try:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(steps):
-                jax.block_until_ready(run())
-        path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-        tr = json.load(gzip.open(path))
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    events = tr["traceEvents"] if isinstance(tr, dict) else tr
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {p for p, n in procs.items() if device in n}
+    events = device_events(run, steps, device)
     scopes = hlo_scopes(hlo_text)
     # XLA:GPU names a kernel after its HLO instruction with '.' and '-' turned into '_'
     scopes.update({re.sub(r"[.\-]", "_", k): v for k, v in list(scopes.items())})
@@ -140,8 +126,6 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
     total = unmatched = 0.0
     samples = []
     for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu_pids or "dur" not in e:
-            continue
         args = e.get("args") or {}
         if device == "/host:CPU" and "hlo_op" not in args:  # CPU smoke test: only the XLA thunks
             continue
@@ -162,13 +146,12 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
     unmatched_kernels = collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
-            op = _event_op(e, scopes)
-            if op not in scopes and "kda" not in op:
-                unmatched_kernels[e["name"][:80]] += e["dur"] / 1e3 / steps
+        op = _event_op(e, scopes)
+        if op not in scopes and "kda" not in op:
+            unmatched_kernels[e["name"][:80]] += e["dur"] / 1e3 / steps
     return {
         "method": "jax.profiler perfetto trace: GPU kernel events -> hlo_op -> named_scope (op_name metadata)",
-        "gpu_processes": sorted(procs[p] for p in gpu_pids),
+        "device_process": device,
         "kernel_ms_per_step": total,
         "unmatched_ms_per_step": unmatched,
         "by_layer_type_ms": dict(sorted(by_type.items(), key=lambda kv: -kv[1])),

@@ -32,6 +32,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench._common import device_events, kernel_summary  # noqa: E402
+
 
 def commit() -> str:
     try:
@@ -189,6 +191,22 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
+# decode kernel variants the bench can time next to the default (v1: vt 64, one tile per CTA, XLA casts)
+DECODE_VARIANTS = {
+    "v1": {"tiles": 1},
+    "colwarp_tiles2": {"layout": "colwarp", "tiles": 2},
+    "v2": {"xla_casts": False},
+    "scatter": {"api": "scatter"},
+    "vt128": {"vt": 128},
+    "vt32": {"vt": 32},
+    "tiles2": {"tiles": 2},
+    "vt32_tiles2": {"vt": 32, "tiles": 2},
+    "vt32_tiles4": {"vt": 32, "tiles": 4},
+    "ro_wait": {"read_only_wait": True},
+    "tiles2_ro": {"tiles": 2, "read_only_wait": True},
+    "colwarp": {"layout": "colwarp", "tiles": 1},
+}
+
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
                 "products under one wait; + beta and the load row mask built once, and approx exp)")
 
@@ -201,8 +219,14 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the variants (v2 in-kernel casts, scatter api, vt=128, vt=32) "
-                         "are timed too")
+                    help="decode batches at which the --decode-variants are timed too, after the default (v1)")
+    ap.add_argument("--decode-variants", nargs="*", default=["v2", "scatter", "vt128", "vt32"],
+                    choices=sorted(DECODE_VARIANTS),
+                    help="decode kernel variants (mgpu.decode options): " + "; ".join(
+                        f"{k}: {v}" for k, v in DECODE_VARIANTS.items()))
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="decode rows: also trace CALLS timed calls (16 steps each) with jax.profiler and record "
+                         "each kernel's device time per step, the busy time and the span (0: no trace)")
     ap.add_argument("--breakdown", default="1x32768x12",
                     help="prefill shape for the XLA prep breakdown (slow; 'none' skips it)")
     ap.add_argument("--prep-unrolled", action="store_true",
@@ -267,11 +291,9 @@ def main(argv=None):
     # ---- decode ----
     for H in args.heads:
         for N in args.decode_batch:
-            # (api, vt, xla_casts)
-            variants = [(None, 64, True)] + (
-                [(None, 64, False), ("scatter", 64, True), (None, 128, True), (None, 32, True)]
-                if N in args.variant_batch else [])
-            fla_ms = o_fla = ht_fla = h0 = None
+            variants = [("default", {})] + ([(v, DECODE_VARIANTS[v]) for v in args.decode_variants]
+                                       if N in args.variant_batch else [])
+            fla_ms = o_fla = ht_fla = h0 = fprof = None
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
                 if fla is not None:
@@ -279,12 +301,29 @@ def main(argv=None):
                     f = lambda: fla[1](q, k, v, g, beta, initial_state=h0, output_final_state=True)
                     fla_ms = do_bench(f, warmup=10, rep=200, return_mode="median")
                     o_fla, ht_fla = f()
+                    if args.profile:  # fla's kernel time by the same profiler, over >= 320 MB of states
+                        hs = [torch.randn_like(h0) * 0.01 for _ in range(max(2, -(-320 * 2**20 // h0.nbytes)))]
+
+                        def frun():
+                            for hh in hs:
+                                fla[1](q, k, v, g, beta, initial_state=hh, output_final_state=True)
+                            torch.cuda.synchronize()
+
+                        try:
+                            fprof = kernel_summary(device_events(frun, args.profile), args.profile * len(hs))
+                        except Exception as e:
+                            fprof = {"error": repr(e)[:300]}
+                        del hs
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
-            for api, vt, xla_casts in variants:
+            for name, opts in variants:
+                kw = dict(api=None, vt=64, tiles=1, xla_casts=True) | opts
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
-                       "variant": {"api": api or mgpu.default_decode_api(), "vt": vt,
-                                   "version": "v1 (XLA casts)" if xla_casts else "v2"}}
+                       "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": kw["vt"],
+                                   "tiles": kw["tiles"] or "auto (2 where V allows)", "layout": kw.get("layout", "wgmma"),
+                                   "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}
+                if name != "default":
+                    row["variant_row"] = True
                 try:
                     state_bytes = 2 * N * H * 128 * 128 * 4
                     # pool of >= 4 disjoint slot sets and >= 320 MB, one set per step
@@ -299,7 +338,7 @@ def main(argv=None):
                     no_reset = jnp.zeros((N,), bool)
                     R = 16
                     dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, vt=vt, api=api, xla_casts=xla_casts)
+                                                      layer=0, scale=128**-0.5, **kw)
                     o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
@@ -323,6 +362,23 @@ def main(argv=None):
                     row["in_place"] = box["pool"].unsafe_buffer_pointer() == ptr0
                     row.update(ours_ms=ours, fla_ms=fla_ms, bandwidth_frac=state_bytes / (ours * 1e-3) / 1e9 / copy_gbps,
                                fla_bandwidth_frac=None if fla_ms is None else state_bytes / (fla_ms * 1e-3) / 1e9 / copy_gbps)
+                    if args.profile:
+                        try:
+                            prof = kernel_summary(device_events(lambda: run()[0], args.profile), args.profile * R)
+                            kern = [v for n, v in prof["kernels"].items() if "kda_decode" in n]
+                            prof["decode_kernel_us"] = kern[0]["mean_us"] if kern else None
+                            if kern:
+                                row["kernel_bandwidth_frac"] = state_bytes / (kern[0]["mean_us"] * 1e-6) / 1e9 / copy_gbps
+                            row["profile"] = prof
+                            fk = [v for n, v in (fprof or {}).get("kernels", {}).items() if "recurrent" in n]
+                            if fk:
+                                row["fla_kernel_us"] = fk[0]["mean_us"]
+                                row["fla_kernel_bandwidth_frac"] = state_bytes / (fk[0]["mean_us"] * 1e-6) / 1e9 / copy_gbps
+                                row["fla_profile"] = fprof
+                            elif fprof:
+                                row["fla_profile"] = fprof
+                        except Exception as e:
+                            row["profile_error"] = repr(e)[:400]
                     box = pool_after = None
                 except Exception as e:
                     row["error"] = repr(e)[:600]
@@ -409,7 +465,7 @@ def main(argv=None):
     for r in rows:
         sh = "x".join(f"{v}" for v in r["shape"].values())
         if "variant" in r:
-            sh += f" {r['variant']['api'][:7]}/{r['variant']['vt']}/{r['variant']['version'][:2]}"
+            sh += f" {r['variant'].get('name', r['variant']['version'][:2])}"
         f = lambda x, fmt="{:8.4f}": "    -   " if x is None else fmt.format(x)
         print(f"{r['op']:8} {sh:28} {f(r.get('ours_ms'))} {f(r.get('fla_ms'))} {f(r.get('bandwidth_frac'), '{:7.3f}')} "
               f"{f(r.get('fla_bandwidth_frac'), '{:7.3f}')} {r.get('rel_err_o_vs_fla', r.get('error', ''))}")
@@ -425,6 +481,13 @@ def main(argv=None):
             print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep {g('prep_ms')} / v4 unrolled "
                   f"{g('prep_unrolled_ms')} ms, inter vt64 {g('inter_vt64_ms')} / vt32 {g('inter_vt32_ms')} ms "
                   f"(default vt {r.get('inter_vt')})")
+        if r["op"] == "decode" and "profile" in r:
+            sh, p = r["shape"], r["profile"]
+            g = lambda x, fmt="{:.1f}": "-" if x is None else fmt.format(x)
+            print(f"decode {sh['batch']}x{sh['heads']} {r['variant'].get('name')}: kernel {g(p.get('decode_kernel_us'))} us "
+                  f"({g(r.get('kernel_bandwidth_frac'), '{:.3f}')} of copy bw), fla kernel {g(r.get('fla_kernel_us'))} us "
+                  f"({g(r.get('fla_kernel_bandwidth_frac'), '{:.3f}')}); gaps between our kernels: median "
+                  f"{g(p.get('gap_us_median_under_200'))} us")
     print(f"copy {copy_gbps:.0f} GB/s")
 
 

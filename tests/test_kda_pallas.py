@@ -243,6 +243,33 @@ def test_prep_kernel_in_interpret_mode(prep):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
 
 
+@pytest.mark.parametrize("vt,tiles", [(64, 1), (32, 4), (64, None)])
+def test_decode_kernel_in_interpret_mode(vt, tiles):
+    """The Mosaic GPU decode kernel itself (its TMA loads by slot, barriers, V tiles per CTA and
+    stores), run by Mosaic GPU interpret mode on the CPU, against the f32 reference: bf16 inputs,
+    two value heads per q/k head, a reset slot holding NaN (never read), untouched slots unchanged."""
+    from pallas_kernels.kda import mgpu
+    from pallas_kernels.kda.ref import kda_decode_ref
+
+    rng = np.random.default_rng(3)
+    N, H, HV, K, V = 3, 1, 2, 64, 128
+    q, k, v, g, beta = inputs(rng, (N,), H, HV, K, V)
+    q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+    pool = jnp.asarray(rng.normal(size=(5, 2, HV, K, V)) * 0.05, jnp.float32)
+    slots = jnp.asarray([4, 0, 2], jnp.int32)
+    reset = jnp.asarray([False, True, False])
+    pool = pool.at[0, 1].set(jnp.nan)
+    with jax.default_matmul_precision("highest"):
+        o_r, p_r = kda_decode_ref(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), pool, slots, layer=1,
+                                  reset=reset, scale=K**-0.5)
+    o, p = mgpu.decode(q, k, v, g, beta, pool, slots, reset, layer=1, scale=K**-0.5, vt=vt, tiles=tiles,
+                       api="scatter", interpret=True)
+    close(o, o_r)
+    close(p[slots, 1], p_r[slots, 1])
+    np.testing.assert_array_equal(np.asarray(p)[[1, 3]], np.asarray(pool)[[1, 3]])
+    np.testing.assert_array_equal(np.asarray(p)[:, 0], np.asarray(pool)[:, 0])
+
+
 def _export_cuda(f, *args):
     try:
         return jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
@@ -258,8 +285,11 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     N, H, HV, K, V = 4, 2, 4, 128, 128
     bf = jnp.bfloat16
     apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
-    for api in apis:
-        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api)
+    # one 64-wide V tile per CTA (the default), and two or four tiles per CTA on their own barriers
+    # and the colwarp register layout (K reductions inside a warp)
+    for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
+                                + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp")]):
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         assert "mosaic_gpu" in e.mlir_module()

@@ -110,22 +110,38 @@ def default_decode_api() -> str:
     return "pallas_call" if _pallas_call_available() else "ref"
 
 
-def step_tile(S, qv, kv, gv, vv, bt):
+def step_tile(S, qv, kv, gv, vv, bt, layout=None):
     """`ref._step` on a [K, vt] f32 state tile in the WGMMA layout: decay by exp(g), predict k^T S,
     add k beta (v - pred)^T, read q^T S. qv, kv, gv [K] (ROW layout), vv [vt] (COL), bt a scalar,
     all f32, q pre-scaled; qv None: no output. -> (o [vt] or None, new tile). The decode, verify and
     fold kernels all step through this one function, so verify + fold reproduce the decode kernel's
-    states and outputs bit for bit (tests/gpu: test_verify_fold_bitwise_equal_decode)."""
+    states and outputs bit for bit (tests/gpu: test_verify_fold_bitwise_equal_decode). layout: the
+    tile's register layout when it is not WGMMA (its broadcasts are then cast to it)."""
     shape = S.shape
-    S = S * _bc_rows(jnp.exp(gv), shape)
-    kb = _bc_rows(kv, shape)
+    bc = (lambda x: x) if layout is None else (lambda x: plgpu.layout_cast(x, layout))
+    S = S * bc(_bc_rows(jnp.exp(gv), shape))
+    kb = bc(_bc_rows(kv, shape))
     pred = jnp.sum(S * kb, axis=0)
-    S = S + kb * _bc_cols(bt * (vv - pred), shape)
-    o = None if qv is None else jnp.sum(S * _bc_rows(qv, shape), axis=0)
+    S = S + kb * bc(_bc_cols(bt * (vv - pred), shape))
+    o = None if qv is None else jnp.sum(S * bc(_bc_rows(qv, shape)), axis=0)
     return o, S
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=None, xla_casts=True):
+def _colwarp_layout(K, vt):
+    """A register layout for a [K, vt] f32 state tile (vt = 64) in which the four warps split the
+    columns (16 each) and each thread holds 16 rows x 4 adjacent columns: the decode step's two
+    reductions over K stay inside a warp (in-thread sums and shuffles over 8 lanes), where the
+    WGMMA layout spreads K over the warps and reduces through shared memory."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    if vt != 64 or K % 8:
+        raise NotImplementedError(f"the colwarp layout needs vt == 64 and K % 8 == 0 (K={K}, vt={vt})")
+    tiling = fa.Tiling(((K, vt), (K, vt // 4), (8, vt // 4), (4,)))
+    return plgpu.Layout.TILED(tiling, warp_dims=(-6,), lane_dims=(-2, -3), vector_dim=-1)
+
+
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1, api=None, xla_casts=True,
+           read_only_wait=False, layout="wgmma", interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -135,17 +151,34 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
     new states to a fresh [N, HV, K, V] array that XLA scatters into the pool: twice the state
     traffic). Default: `default_decode_api()`.
 
+    tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None: 2 where V allows, else 1.
+    All of a CTA's tile loads are issued up front, each on its own barrier; the tiles are then
+    stepped and stored one after the other, so tile j + 1 is in flight while tile j is stepped.
+    tiles=2 (v5) is faster on the H200 (kernel time, bench/NOTES.md: 256 x 96 heads 0.809 ms against
+    v1's 0.846, 1024 x 12 0.409 against 0.420) but is not the default until tests/gpu has run on it.
+
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
     v2 was predicted faster (no cast launches) but measured slower on the H200 (bench/NOTES.md).
+
+    read_only_wait: the CTA ends once its TMA stores have read the shared memory, not once their
+    writes have landed (as CUTLASS epilogues do; the grid's writes are complete when the kernel is).
+
+    layout: the state tile's register layout: "wgmma" (the verify and fold kernels' too, so their
+    bitwise match with decode holds) or "colwarp" (`_colwarp_layout`: K reductions inside a warp;
+    with tiles=2, 0.106 ms at 256 x 12 heads on the H200, 0.90 of copy bandwidth, against v1's 0.109).
+
+    interpret: Mosaic GPU interpret mode (the CPU tests run this kernel's tiles and barriers there;
+    api "scatter" or "ref").
     """
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
     G = HV // H
     vt = min(vt, V)
-    if K % 64 or V % vt or vt % 32:
-        raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    tiles = (2 if V % (2 * vt) == 0 else 1) if tiles is None else tiles  # None: the widest that fits
+    if K % 64 or V % (vt * tiles) or vt % 32:
+        raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt * tiles} == 0 (K={K}, V={V})")
     api = api or default_decode_api()
     if xla_casts:  # v1: f32 inputs made by XLA (one small fusion launch per input and step)
         q = q.astype(jnp.float32) * scale
@@ -153,68 +186,86 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
         scale = 1.0
     f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
+    span = vt * tiles  # the V columns of one CTA
+    if layout == "wgmma":
+        TL, RL, CL = WGMMA, ROW, COL
+    elif layout == "colwarp":
+        TL = _colwarp_layout(K, vt)
+        RL, CL = TL.reduce(1), TL.reduce(0)
+    else:
+        raise ValueError(f"unknown decode layout {layout!r}")
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G
+        s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, vbar, tbar = scr
+        # the vectors first: their loads do not wait on the slot read
+        plgpu.copy_gmem_to_smem(q_ref.at[n, hq], q_smem, vbar.at[0])
+        plgpu.copy_gmem_to_smem(k_ref.at[n, hq], k_smem, vbar.at[0])
+        plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem, vbar.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, span)], v_smem, vbar.at[0])
         row = (slot_ref[n] * L + layer) * HV + h
-        tile = src_ref.at[row, :, pl.ds(v0, vt)]
-        dst = tile if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
-        s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar = scr
-        plgpu.copy_gmem_to_smem(tile, s_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(q_ref.at[n, hq], q_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(k_ref.at[n, hq], k_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem, bar.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem, bar.at[0])
+        srcs, dsts = [], []
+        for j in range(tiles):
+            cols = pl.ds(v0 + j * vt, vt)
+            srcs.append(src_ref.at[row, :, cols])
+            dsts.append(srcs[j] if dst_ref is None else dst_ref.at[n * HV + h, :, cols])
+            plgpu.copy_gmem_to_smem(srcs[j], s_smem.at[j], tbar.at[j])
         bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
-        plgpu.barrier_wait(bar.at[0])
-        ld = lambda ref, layout: load_tile(ref, layout).astype(f32)
-        qv = ld(q_smem, ROW)
+        plgpu.barrier_wait(vbar.at[0])
+        ld = lambda ref, layout: (ref[...] if interpret else load_tile(ref, layout)).astype(f32)
+        qv = ld(q_smem, RL)
         if scale != 1.0:
             qv = qv * scale
-        S = jnp.where(rs != 0, 0.0, ld(s_smem, WGMMA))  # a reset slot's values are discarded
-        o, S = step_tile(S, qv, ld(k_smem, ROW), ld(g_smem, ROW), ld(v_smem, COL), bt)
-        s_smem[...] = S
-        o_smem[...] = o
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_smem, dst)
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, vt)])
-        plgpu.wait_smem_to_gmem(0)
+        kv, gv = ld(k_smem, RL), ld(g_smem, RL)
+        for j in range(tiles):
+            plgpu.barrier_wait(tbar.at[j])
+            S = jnp.where(rs != 0, 0.0, ld(s_smem.at[j], TL))  # a reset slot's values are discarded
+            o, S = step_tile(S, qv, kv, gv, ld(v_smem.at[pl.ds(j * vt, vt)], CL), bt,
+                             layout=None if layout == "wgmma" or interpret else TL)
+            s_smem.at[j][...] = S
+            o_smem[pl.ds(j * vt, vt)] = o
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_smem.at[j], dsts[j])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, span)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
 
     scratch = [
-        plgpu.SMEM((K, vt), jnp.float32, **_f32_tiled()),
+        plgpu.SMEM((tiles, K, vt), jnp.float32, **({} if interpret else _f32_tiled())),
         plgpu.SMEM((K,), q.dtype),
         plgpu.SMEM((K,), k.dtype),
         plgpu.SMEM((K,), g.dtype),
-        plgpu.SMEM((vt,), v.dtype),
-        plgpu.SMEM((vt,), jnp.float32),
-        plgpu.Barrier(num_arrivals=5, num_barriers=1),
+        plgpu.SMEM((span,), v.dtype),
+        plgpu.SMEM((span,), jnp.float32),
+        plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=tiles),
     ]
     o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
     ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
+    interp = {"interpret": _gpu_interpret_params()} if interpret else {}
     if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
         pool_ref = jax.new_ref(pool3)
 
         def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_r, o_ref, *scr):
             n, h = lax.axis_index("seq"), lax.axis_index("head")
-            v0 = lax.axis_index("vtile") * vt
+            v0 = lax.axis_index("vtile") * span
             step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, pool_r, None, *scr)
 
         o = plgpu.kernel(
-            body, out_type=o_type, grid=(N, HV, V // vt), grid_names=("seq", "head", "vtile"),
-            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu",
+            body, out_type=o_type, grid=(N, HV, V // span), grid_names=("seq", "head", "vtile"),
+            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu", **interp,
         )(*ins, pool_ref)
         return o, pool_ref[...].reshape(pool.shape)
     if api == "scatter":
         def body(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, pool_ref, o_ref, new_ref, *scr):
             n, h = lax.axis_index("seq"), lax.axis_index("head")
-            v0 = lax.axis_index("vtile") * vt
+            v0 = lax.axis_index("vtile") * span
             step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, pool_ref, new_ref, *scr)
 
         o, new = plgpu.kernel(
             body, out_type=[o_type, jax.ShapeDtypeStruct((N * HV, K, V), jnp.float32)],
-            grid=(N, HV, V // vt), grid_names=("seq", "head", "vtile"),
-            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu",
+            grid=(N, HV, V // span), grid_names=("seq", "head", "vtile"),
+            scratch_types=scratch, compiler_params=_LANE, kernel_name="kda_decode_mgpu", **interp,
         )(*ins, pool3)
         return o, pool.at[slots, layer].set(new.reshape(N, HV, K, V))
     if api != "pallas_call":
@@ -222,13 +273,13 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, api=Non
 
     def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, _pool_in, o_ref, pool_ref, *scr):
         n, h = pl.program_id(0), pl.program_id(1)
-        step(n, h, pl.program_id(2) * vt, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref,
+        step(n, h, pl.program_id(2) * span, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref,
              pool_ref, None, *scr)
 
     gm = pl.BlockSpec(memory_space=plgpu.GMEM)
     o, pool3 = pl.pallas_call(
         kernel,
-        grid=(N, HV, V // vt),
+        grid=(N, HV, V // span),
         in_specs=[gm] * 8,
         out_specs=[gm, gm],
         out_shape=[o_type, jax.ShapeDtypeStruct(pool3.shape, jnp.float32)],
