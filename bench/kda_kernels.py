@@ -205,6 +205,8 @@ DECODE_VARIANTS = {
     "ro_wait": {"read_only_wait": True},
     "tiles2_ro": {"tiles": 2, "read_only_wait": True},
     "colwarp": {"layout": "colwarp", "tiles": 1},
+    "colwarp_vt32": {"layout": "colwarp", "vt": 32},
+    "colwarp_vt32_tiles2": {"layout": "colwarp", "vt": 32, "tiles": 2},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "

@@ -288,7 +288,8 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     # one 64-wide V tile per CTA (the default), and two or four tiles per CTA on their own barriers
     # and the colwarp register layout (K reductions inside a warp)
     for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
-                                + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp")]):
+                                + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp"),
+                                   (apis[-1], 32, 1, "colwarp")]):
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
@@ -387,13 +388,15 @@ def test_spec_mosaic_gpu_kernels_lower_for_cuda():
     N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
     f = jnp.float32
     vec = lambda X: sd((N, T, HV, X), f)
-    for snaps in (False, True):
-        ver = functools.partial(sk.verify_mgpu, snapshots=snaps)
+    for snaps, layout in ((False, None), (True, None), (False, "colwarp")):
+        ver = functools.partial(sk.verify_mgpu, snapshots=snaps, layout=layout)
         e = _export_cuda(ver, vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f),
                          sd((N,), jnp.int32), sd((N,), jnp.int32))
         assert "mosaic_gpu" in e.mlir_module()
     R = N * L
     cv = lambda X: sd((R, T, HV, X), f)
     i = sd((R,), jnp.int32)
-    e = _export_cuda(sk.fold_mgpu, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
-    assert "mosaic_gpu" in e.mlir_module()
+    for layout in (None, "colwarp"):  # the state tile's register layout (mgpu.step_layouts)
+        fold = functools.partial(sk.fold_mgpu, layout=layout)
+        e = _export_cuda(fold, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
+        assert "mosaic_gpu" in e.mlir_module()

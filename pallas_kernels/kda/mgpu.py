@@ -128,20 +128,44 @@ def step_tile(S, qv, kv, gv, vv, bt, layout=None):
 
 
 def _colwarp_layout(K, vt):
-    """A register layout for a [K, vt] f32 state tile (vt = 64) in which the four warps split the
-    columns (16 each) and each thread holds 16 rows x 4 adjacent columns: the decode step's two
-    reductions over K stay inside a warp (in-thread sums and shuffles over 8 lanes), where the
-    WGMMA layout spreads K over the warps and reduces through shared memory."""
+    """A register layout for a [K, vt] f32 state tile (vt 32 or 64) in which the four warps
+    split the columns (vt / 4 each) and each thread holds 4 adjacent columns of K / (32 / chunks)
+    rows (chunks: the warp's 4-column chunks, 4 at vt = 64: 16 rows a thread): the decode step's
+    two reductions over K stay inside a warp (in-thread sums and shuffles), where the WGMMA layout
+    spreads K over the warps and reduces through shared memory. The lanes run over rows fastest,
+    so a quarter-warp's 16-byte loads hit 8 distinct chunks of the 128-byte swizzle (the other
+    order fails Mosaic's bank-conflict planner, and so does vt = 128, where a quarter-warp spans
+    only 4 rows)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    if vt != 64 or K % 8:
-        raise NotImplementedError(f"the colwarp layout needs vt == 64 and K % 8 == 0 (K={K}, vt={vt})")
-    tiling = fa.Tiling(((K, vt), (K, vt // 4), (8, vt // 4), (4,)))
+    cw = vt // 4  # columns per warp
+    lr = 32 // (cw // 4)  # lanes along the rows
+    if vt not in (32, 64) or K % lr:
+        raise NotImplementedError(f"the colwarp layout needs vt 32 or 64 and K % {lr} == 0 (K={K}, vt={vt})")
+    tiling = fa.Tiling(((K, vt), (K, cw), (lr, cw), (4,)))
     return plgpu.Layout.TILED(tiling, warp_dims=(-6,), lane_dims=(-2, -3), vector_dim=-1)
 
 
+# The state tile's register layout in the recurrent kernels (decode here, verify and fold in
+# spec_kernels.py). One setting for all three: verify + fold reproduce decode bit for bit only when
+# their reductions run in the same layout.
+STEP_LAYOUT = "wgmma"
+
+
+def step_layouts(layout, K, vt):
+    """layout ("wgmma", "colwarp" or None for STEP_LAYOUT) -> (tile, [K] row vector and [vt] column
+    vector register layouts, and `step_tile`'s layout argument)."""
+    layout = STEP_LAYOUT if layout is None else layout
+    if layout == "wgmma":
+        return WGMMA, ROW, COL, None
+    if layout == "colwarp":
+        tl = _colwarp_layout(K, vt)
+        return tl, tl.reduce(1), tl.reduce(0), tl
+    raise ValueError(f"unknown state tile layout {layout!r}")
+
+
 def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1, api=None, xla_casts=True,
-           read_only_wait=False, layout="wgmma", interpret=False):
+           read_only_wait=False, layout=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -164,8 +188,9 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
     read_only_wait: the CTA ends once its TMA stores have read the shared memory, not once their
     writes have landed (as CUTLASS epilogues do; the grid's writes are complete when the kernel is).
 
-    layout: the state tile's register layout: "wgmma" (the verify and fold kernels' too, so their
-    bitwise match with decode holds) or "colwarp" (`_colwarp_layout`: K reductions inside a warp;
+    layout: the state tile's register layout (None: `STEP_LAYOUT`, which the verify and fold kernels
+    use too, so their bitwise match with decode holds): "wgmma" or "colwarp" (`_colwarp_layout`: K
+    reductions inside a warp;
     with tiles=2, 0.106 ms at 256 x 12 heads on the H200, 0.90 of copy bandwidth, against v1's 0.109).
 
     interpret: Mosaic GPU interpret mode (the CPU tests run this kernel's tiles and barriers there;
@@ -187,13 +212,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
     f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
     span = vt * tiles  # the V columns of one CTA
-    if layout == "wgmma":
-        TL, RL, CL = WGMMA, ROW, COL
-    elif layout == "colwarp":
-        TL = _colwarp_layout(K, vt)
-        RL, CL = TL.reduce(1), TL.reduce(0)
-    else:
-        raise ValueError(f"unknown decode layout {layout!r}")
+    TL, RL, CL, step_layout = step_layouts(layout, K, vt)
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G
@@ -222,7 +241,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
             plgpu.barrier_wait(tbar.at[j])
             S = jnp.where(rs != 0, 0.0, ld(s_smem.at[j], TL))  # a reset slot's values are discarded
             o, S = step_tile(S, qv, kv, gv, ld(v_smem.at[pl.ds(j * vt, vt)], CL), bt,
-                             layout=None if layout == "wgmma" or interpret else TL)
+                             layout=None if interpret else step_layout)
             s_smem.at[j][...] = S
             o_smem[pl.ds(j * vt, vt)] = o
             plgpu.commit_smem()

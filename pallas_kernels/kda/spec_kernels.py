@@ -190,16 +190,17 @@ def _launch(body, ins, pool3, out_types, grid, names, scratch, name):
     return list(outs), pool_ref[...]
 
 
-def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False):
+def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False, layout=None):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
-    state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold)."""
+    state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold).
+    layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`)."""
     plgpu, mgpu = _mgpu()
     N, T, HV, K = q.shape
     V = v.shape[-1]
     vt = min(vt, V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
-    WG, ROW, COL = mgpu.WGMMA, mgpu.ROW, mgpu.COL
+    WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
 
     def body(idx, q_ref, k_ref, v_ref, g_ref, b_ref, base_ref, reset_ref, pool_ref, o_ref, *rest):
         if snapshots:
@@ -221,7 +222,8 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False)
         S = jnp.where(rs != 0, 0.0, S)
         for t in range(T):
             ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
-            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), mgpu.load_tile(v_smem.at[t], COL), b_ref[n, t, h])
+            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), mgpu.load_tile(v_smem.at[t], COL), b_ref[n, t, h],
+                                  layout=SL)
             o_smem.at[t][...] = o
             if snapshots:
                 slot = t % 2
@@ -252,15 +254,16 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False)
     return tuple(outs) if snapshots else outs[0]
 
 
-def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64):
-    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place)."""
+def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64, layout=None):
+    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout: as
+    `verify_mgpu`'s."""
     plgpu, mgpu = _mgpu()
     R, T, HV, K = k.shape
     V = v.shape[-1]
     vt = min(vt, V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
-    WG, ROW, COL = mgpu.WGMMA, mgpu.ROW, mgpu.COL
+    WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
 
     def body(idx, k_ref, v_ref, g_ref, b_ref, base_ref, sbase_ref, nk_ref, sa_ref, pool_ref,
              s_smem, f_smem, vec_smem, v_smem, bar):
@@ -278,7 +281,8 @@ def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64):
         S = mgpu.load_tile(s_smem, WG)  # s_smem keeps S0: the snapshot's initial value
         for t in range(T):
             ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
-            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), mgpu.load_tile(v_smem.at[t], COL), b_ref[r, t, h])
+            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), mgpu.load_tile(v_smem.at[t], COL), b_ref[r, t, h],
+                                       layout=SL)
             S = jnp.where(t < nk, S_next, S)
 
             @pl.when(t + 1 == sa)

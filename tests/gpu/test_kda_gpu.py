@@ -44,8 +44,20 @@ def f32ref(x):
     return x.astype(jnp.float32)
 
 
-@pytest.mark.parametrize("N,H,HV", [(1, 12, 12), (256, 12, 12), (64, 4, 8), (33, 4, 8)])
-def test_decode_in_place(N, H, HV):
+# the default (kda_decode, impl="pallas") at four shapes, then the kernel's opt-in forms (V tiles per
+# CTA, the colwarp register layout) through mgpu.decode
+_DEFAULT = (None, None, None)
+
+
+@pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (256, 12, 12, _DEFAULT), (64, 4, 8, _DEFAULT),
+                                         (33, 4, 8, _DEFAULT)]
+                         + [(33, 4, 8, o) for o in [(64, 2, "wgmma"), (64, 2, "colwarp"), (64, 1, "colwarp"),
+                                                    (32, 1, "colwarp"), (32, 2, "colwarp")]])
+def test_decode_in_place(N, H, HV, opts):
+    """Against the f32 reference, in place: a NaN reset slot is never read, untouched slots and the
+    other layer are unchanged. opts: (vt, tiles, layout) of `mgpu.decode`, or the default path."""
+    from pallas_kernels.kda import mgpu
+
     key = jax.random.key(np.random.randint(1 << 30))
     q, k, v, g, beta = make(key, (N,), H, HV)
     NS, L = N + 7, 2
@@ -56,8 +68,14 @@ def test_decode_in_place(N, H, HV):
     pool_np = np.asarray(pool)
     with jax.default_matmul_precision("highest"):
         o_r, p_r = kda_decode_ref(*map(f32ref, (q, k, v, g, beta)), pool, slots, layer=1, reset=reset)
-    fn = jax.jit(functools.partial(kda_decode, layer=1, impl="pallas"), donate_argnums=(5,))
-    o, p = fn(q, k, v, g, beta, pool, slots, reset=reset)
+    if opts == _DEFAULT:
+        fn = jax.jit(functools.partial(kda_decode, layer=1, impl="pallas"), donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool, slots, reset=reset)
+    else:
+        vt, tiles, layout = opts
+        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5, vt=vt, tiles=tiles, layout=layout),
+                     donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool, slots, reset)
     assert rel_err(o, o_r) < 1e-2
     p, p_r = np.asarray(p), np.asarray(p_r)
     s = np.asarray(slots)
@@ -183,13 +201,17 @@ def test_verify_and_fold(N, H, HV):
     np.testing.assert_array_equal(new[untouched], pool_np[untouched])
 
 
-def test_verify_fold_bitwise_equal_decode():
+@pytest.mark.parametrize("layout,tiles", [("wgmma", 1), ("wgmma", 2), ("colwarp", 2)])
+def test_verify_fold_bitwise_equal_decode(layout, tiles, monkeypatch):
     """Speculative decoding on the kernels can only be token-identical to plain decoding if verify
     and fold compute what the decode kernel computes, bit for bit: the verify kernel's outputs for
     T tokens equal T decode-kernel steps, and folding all T captured steps leaves the decode
-    kernel's state (strong K3 gates: g = -5 sigmoid(x))."""
+    kernel's state (strong K3 gates: g = -5 sigmoid(x)). For each state tile layout
+    (`mgpu.STEP_LAYOUT`, which all three kernels read) and V tiles per decode CTA."""
     from pallas_kernels.kda import mgpu
     from pallas_kernels.kda.spec import kda_fold, kda_verify
+
+    monkeypatch.setattr(mgpu, "STEP_LAYOUT", layout)
 
     N, T, H, HV = 4, 5, 12, 12
     ks = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 6)
@@ -199,7 +221,7 @@ def test_verify_fold_bitwise_equal_decode():
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (N, T, HV, 128)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (N, T, HV)))
     S0 = jax.random.normal(ks[5], (N, HV, 128, 128)) * 0.05
-    dec = jax.jit(functools.partial(mgpu.decode, layer=0, scale=128**-0.5))
+    dec = jax.jit(functools.partial(mgpu.decode, layer=0, scale=128**-0.5, tiles=tiles))
     pool, outs = S0[:, None], []
     for t in range(T):
         o, pool = dec(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool, jnp.arange(N, dtype=jnp.int32),
