@@ -7,7 +7,8 @@ alias on 0.10). The prep kernel also runs in Mosaic GPU interpret mode (CPU test
 for Lane semantics too; the inter kernel for Warpgroup semantics (named in its compiler params,
 so JAX 0.10.2's CPU lowering test lowers it as the H200's 0.11.2 does).
 
-Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile). It
+Decode (`decode`; opt-in forms: several V tiles per CTA, the colwarp register layout): one CTA (one
+warpgroup, 128 threads) per (sequence, value head, V tile). It
 TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
 vectors into shared memory, holds the tile in registers in the WGMMA layout, does the
 gated delta step in f32 (the two reductions over K are cross-warp reductions), and TMA-stores
@@ -111,8 +112,9 @@ def default_decode_api() -> str:
 
 
 def step_tile(S, qv, kv, gv, vv, bt, layout=None):
-    """`ref._step` on a [K, vt] f32 state tile in the WGMMA layout: decay by exp(g), predict k^T S,
-    add k beta (v - pred)^T, read q^T S. qv, kv, gv [K] (ROW layout), vv [vt] (COL), bt a scalar,
+    """`ref._step` on a [K, vt] f32 state tile in registers: decay by exp(g), predict k^T S, add
+    k beta (v - pred)^T, read q^T S. qv, kv, gv [K] (the tile layout reduced over V: ROW for the
+    WGMMA layout), vv [vt] (reduced over K: COL), bt a scalar,
     all f32, q pre-scaled; qv None: no output. -> (o [vt] or None, new tile). The decode, verify and
     fold kernels all step through this one function, so verify + fold reproduce the decode kernel's
     states and outputs bit for bit (tests/gpu: test_verify_fold_bitwise_equal_decode). layout: the
@@ -190,11 +192,11 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
 
     layout: the state tile's register layout (None: `STEP_LAYOUT`, which the verify and fold kernels
     use too, so their bitwise match with decode holds): "wgmma" or "colwarp" (`_colwarp_layout`: K
-    reductions inside a warp;
-    with tiles=2, 0.106 ms at 256 x 12 heads on the H200, 0.90 of copy bandwidth, against v1's 0.109).
+    reductions inside a warp; with tiles=2, 0.106 ms at 256 x 12 heads on the H200, 0.90 of copy
+    bandwidth, against v1's 0.109).
 
-    interpret: Mosaic GPU interpret mode (the CPU tests run this kernel's tiles and barriers there;
-    api "scatter" or "ref").
+    interpret: Mosaic GPU interpret mode, api "scatter" (the CPU tests run this kernel's tiles and
+    barriers there; the "ref" api fails in interpret mode on JAX 0.10.2). It ignores layouts.
     """
     N, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
