@@ -191,15 +191,17 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     return out
 
 
-# decode kernel variants the bench can time next to the default (v1: vt 64, one tile per CTA, XLA casts)
+# decode kernel variants the bench can time next to the default (since session 9: vt 64, two tiles per
+# CTA, the colwarp layout, XLA casts); each is `mgpu.decode` options on top of the defaults
+# (v1, the default until session 8: one tile per CTA, WGMMA layout)
 DECODE_VARIANTS = {
-    "v1": {"tiles": 1},
+    "v1": {"tiles": 1, "layout": "wgmma"},
     "colwarp_tiles2": {"layout": "colwarp", "tiles": 2},
     "v2": {"xla_casts": False},
     "scatter": {"api": "scatter"},
     "vt128": {"vt": 128},
     "vt32": {"vt": 32},
-    "tiles2": {"tiles": 2},
+    "tiles2": {"tiles": 2, "layout": "wgmma"},
     "vt32_tiles2": {"vt": 32, "tiles": 2},
     "vt32_tiles4": {"vt": 32, "tiles": 4},
     "ro_wait": {"read_only_wait": True},
@@ -207,6 +209,8 @@ DECODE_VARIANTS = {
     "colwarp": {"layout": "colwarp", "tiles": 1},
     "colwarp_vt32": {"layout": "colwarp", "vt": 32},
     "colwarp_vt32_tiles2": {"layout": "colwarp", "vt": 32, "tiles": 2},
+    "colwarp_tiles2_ro": {"layout": "colwarp", "tiles": 2, "read_only_wait": True},
+    "colwarp_vt32_t1": {"layout": "colwarp", "vt": 32, "tiles": 1},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
@@ -221,7 +225,8 @@ def main(argv=None):
     ap.add_argument("--prefill", nargs="*", default=["1x4096x12", "1x32768x12", "8x4096x12", "1x32768x96", "1x131072x12"],
                     help="BxTxH shapes")
     ap.add_argument("--variant-batch", type=int, nargs="*", default=[1, 256],
-                    help="decode batches at which the --decode-variants are timed too, after the default (v1)")
+                    help="decode batches at which the --decode-variants (options on top of the defaults) are "
+                         "timed too, after the default")
     ap.add_argument("--decode-variants", nargs="*", default=["v2", "scatter", "vt128", "vt32"],
                     choices=sorted(DECODE_VARIANTS),
                     help="decode kernel variants (mgpu.decode options): " + "; ".join(
@@ -319,10 +324,11 @@ def main(argv=None):
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
             for name, opts in variants:
-                kw = dict(api=None, vt=64, tiles=1, xla_casts=True) | opts
+                kw = dict(api=None, vt=64, tiles=None, xla_casts=True) | opts
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": kw["vt"],
-                                   "tiles": kw["tiles"] or "auto (2 where V allows)", "layout": kw.get("layout", "wgmma"),
+                                   "tiles": kw["tiles"] or "auto (2 where V allows)",
+                                   "layout": kw.get("layout") or mgpu.STEP_LAYOUT,
                                    "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}
                 if name != "default":
                     row["variant_row"] = True

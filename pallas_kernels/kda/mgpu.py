@@ -7,12 +7,12 @@ alias on 0.10). The prep kernel also runs in Mosaic GPU interpret mode (CPU test
 for Lane semantics too; the inter kernel for Warpgroup semantics (named in its compiler params,
 so JAX 0.10.2's CPU lowering test lowers it as the H200's 0.11.2 does).
 
-Decode (`decode`; opt-in forms: several V tiles per CTA, the colwarp register layout): one CTA (one
-warpgroup, 128 threads) per (sequence, value head, V tile). It
-TMA-loads the state tile `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled) and the token's
-vectors into shared memory, holds the tile in registers in the WGMMA layout, does the
-gated delta step in f32 (the two reductions over K are cross-warp reductions), and TMA-stores
-the tile. The pool is aliased input -> output, so the update is in place and untouched slots are
+Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, two 64-wide V
+tiles). It TMA-loads the state tiles `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled; each on
+its own barrier) and the token's vectors into shared memory, holds a tile in registers in the
+colwarp layout (`STEP_LAYOUT`: the warps split the columns, so the two reductions over K stay
+inside a warp; the WGMMA layout remains an option), does the gated delta step in f32, and
+TMA-stores the tile. The pool is aliased input -> output, so the update is in place and untouched slots are
 never read or written (2 x 4 x K x V bytes per head): with `pl.pallas_call` on JAX <= 0.10, and on
 JAX 0.11.2 (no `pl.pallas_call` lowering for Mosaic GPU) by passing the pool to `plgpu.kernel` as
 a JAX Ref, which Pallas discharges into an input/output alias (`api="ref"`). `api="scatter"`
@@ -151,13 +151,17 @@ def _colwarp_layout(K, vt):
 # The state tile's register layout in the recurrent kernels (decode here, verify and fold in
 # spec_kernels.py). One setting for all three: verify + fold reproduce decode bit for bit only when
 # their reductions run in the same layout.
-STEP_LAYOUT = "wgmma"
+# "colwarp" since session 9: as fast as or faster than "wgmma" in decode at every shape measured
+# (bench/NOTES.md, runs D12-D14).
+STEP_LAYOUT = "colwarp"
 
 
 def step_layouts(layout, K, vt):
     """layout ("wgmma", "colwarp" or None for STEP_LAYOUT) -> (tile, [K] row vector and [vt] column
-    vector register layouts, and `step_tile`'s layout argument)."""
-    layout = STEP_LAYOUT if layout is None else layout
+    vector register layouts, and `step_tile`'s layout argument). With layout None, a V tile the
+    colwarp layout cannot take (vt 128) gets the WGMMA layout, in every kernel alike."""
+    if layout is None:
+        layout = "wgmma" if STEP_LAYOUT == "colwarp" and vt not in (32, 64) else STEP_LAYOUT
     if layout == "wgmma":
         return WGMMA, ROW, COL, None
     if layout == "colwarp":
@@ -166,7 +170,7 @@ def step_layouts(layout, K, vt):
     raise ValueError(f"unknown state tile layout {layout!r}")
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1, api=None, xla_casts=True,
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=None, api=None, xla_casts=True,
            read_only_wait=False, layout=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
@@ -177,11 +181,11 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
     new states to a fresh [N, HV, K, V] array that XLA scatters into the pool: twice the state
     traffic). Default: `default_decode_api()`.
 
-    tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None: 2 where V allows, else 1.
-    All of a CTA's tile loads are issued up front, each on its own barrier; the tiles are then
-    stepped and stored one after the other, so tile j + 1 is in flight while tile j is stepped.
-    tiles=2 (v5) is faster on the H200 (kernel time, bench/NOTES.md: 256 x 96 heads 0.809 ms against
-    v1's 0.846, 1024 x 12 0.409 against 0.420) but is not the default until tests/gpu has run on it.
+    tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None (the default): 2 where V
+    allows, else 1. All of a CTA's tile loads are issued up front, each on its own barrier; the
+    tiles are then stepped and stored one after the other, so tile j + 1 is in flight while tile j
+    is stepped (v5: on the H200, 256 x 96 heads 0.809 ms against one tile's 0.846, 1024 x 12 0.409
+    against 0.420; bench/NOTES.md).
 
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
@@ -190,10 +194,11 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=1
     read_only_wait: the CTA ends once its TMA stores have read the shared memory, not once their
     writes have landed (as CUTLASS epilogues do; the grid's writes are complete when the kernel is).
 
-    layout: the state tile's register layout (None: `STEP_LAYOUT`, which the verify and fold kernels
-    use too, so their bitwise match with decode holds): "wgmma" or "colwarp" (`_colwarp_layout`: K
-    reductions inside a warp; with tiles=2, 0.106 ms at 256 x 12 heads on the H200, 0.90 of copy
-    bandwidth, against v1's 0.109).
+    layout: the state tile's register layout (None: `STEP_LAYOUT`, "colwarp", which the verify and
+    fold kernels use too, so their bitwise match with decode holds): "wgmma" or "colwarp"
+    (`_colwarp_layout`: K reductions inside a warp; 127 registers against the WGMMA layout's 162,
+    and 0.105 ms at 256 x 12 heads on the H200 with tiles=2, 0.90 of copy bandwidth, against
+    0.108).
 
     interpret: Mosaic GPU interpret mode, api "scatter" (the CPU tests run this kernel's tiles and
     barriers there; the "ref" api fails in interpret mode on JAX 0.10.2). It ignores layouts.

@@ -44,18 +44,18 @@ def f32ref(x):
     return x.astype(jnp.float32)
 
 
-# the default (kda_decode, impl="pallas") at four shapes, then the kernel's opt-in forms (V tiles per
-# CTA, the colwarp register layout) through mgpu.decode
-_DEFAULT = (None, None, None)
+# the default (kda_decode, impl="pallas") at four shapes, then the kernel's other forms (V tiles per
+# CTA, the WGMMA or colwarp register layout, vt 32) through mgpu.decode
+_DEFAULT = None
+_OPTS = [dict(vt=64, tiles=2, layout="wgmma"), dict(vt=64, tiles=1, layout="wgmma"), dict(vt=64, tiles=1, layout="colwarp"),
+         dict(vt=32, tiles=1, layout="colwarp"), dict(vt=32, tiles=2, layout="colwarp"), dict(vt=128, tiles=1)]
 
 
 @pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (256, 12, 12, _DEFAULT), (64, 4, 8, _DEFAULT),
-                                         (33, 4, 8, _DEFAULT)]
-                         + [(33, 4, 8, o) for o in [(64, 2, "wgmma"), (64, 2, "colwarp"), (64, 1, "colwarp"),
-                                                    (32, 1, "colwarp"), (32, 2, "colwarp")]])
+                                         (33, 4, 8, _DEFAULT)] + [(33, 4, 8, o) for o in _OPTS])
 def test_decode_in_place(N, H, HV, opts):
     """Against the f32 reference, in place: a NaN reset slot is never read, untouched slots and the
-    other layer are unchanged. opts: (vt, tiles, layout) of `mgpu.decode`, or the default path."""
+    other layer are unchanged. opts: `mgpu.decode` options, or the default path."""
     from pallas_kernels.kda import mgpu
 
     key = jax.random.key(np.random.randint(1 << 30))
@@ -72,9 +72,7 @@ def test_decode_in_place(N, H, HV, opts):
         fn = jax.jit(functools.partial(kda_decode, layer=1, impl="pallas"), donate_argnums=(5,))
         o, p = fn(q, k, v, g, beta, pool, slots, reset=reset)
     else:
-        vt, tiles, layout = opts
-        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5, vt=vt, tiles=tiles, layout=layout),
-                     donate_argnums=(5,))
+        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5, **opts), donate_argnums=(5,))
         o, p = fn(q, k, v, g, beta, pool, slots, reset)
     assert rel_err(o, o_r) < 1e-2
     p, p_r = np.asarray(p), np.asarray(p_r)
