@@ -289,7 +289,11 @@ def main(argv=None):
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
+    clock = {"t": time.perf_counter()}
+
     def emit(row):  # rewrite the JSON after every row, so a cut-off run keeps what it measured
+        now = time.perf_counter()  # seconds since the previous row (or the start): plans device calls
+        row["bench_s"], clock["t"] = round(now - clock["t"], 1), now
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as fh:

@@ -285,11 +285,12 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     N, H, HV, K, V = 4, 2, 4, 128, 128
     bf = jnp.bfloat16
     apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
-    # one 64-wide V tile per CTA (the default), and two or four tiles per CTA on their own barriers
-    # and the colwarp register layout (K reductions inside a warp)
+    # one 64-wide V tile per CTA, and two or four tiles per CTA on their own barriers; the WGMMA and
+    # the colwarp register layout (K reductions inside a warp); the defaults (None: two tiles of 64,
+    # `mgpu.STEP_LAYOUT`), and vt 128, where the default layout falls back to WGMMA
     for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
                                 + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp"),
-                                   (apis[-1], 32, 1, "colwarp")]):
+                                   (apis[-1], 32, 1, "colwarp"), (apis[-1], 64, None, None), (apis[-1], 128, 1, None)]):
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
