@@ -129,6 +129,12 @@ def step_tile(S, qv, kv, gv, vv, bt, layout=None):
     return o, S
 
 
+def _colwarp_fits(K, vt):
+    """Whether `_colwarp_layout` takes a [K, vt] tile: vt 32 or 64, and K a multiple of the lanes
+    along the rows (32 / (vt / 16))."""
+    return vt in (32, 64) and K % (32 // (vt // 16)) == 0
+
+
 def _colwarp_layout(K, vt):
     """A register layout for a [K, vt] f32 state tile (vt 32 or 64) in which the four warps
     split the columns (vt / 4 each) and each thread holds 4 adjacent columns of K / (32 / chunks)
@@ -142,7 +148,7 @@ def _colwarp_layout(K, vt):
 
     cw = vt // 4  # columns per warp
     lr = 32 // (cw // 4)  # lanes along the rows
-    if vt not in (32, 64) or K % lr:
+    if not _colwarp_fits(K, vt):
         raise NotImplementedError(f"the colwarp layout needs vt 32 or 64 and K % {lr} == 0 (K={K}, vt={vt})")
     tiling = fa.Tiling(((K, vt), (K, cw), (lr, cw), (4,)))
     return plgpu.Layout.TILED(tiling, warp_dims=(-6,), lane_dims=(-2, -3), vector_dim=-1)
@@ -158,10 +164,10 @@ STEP_LAYOUT = "colwarp"
 
 def step_layouts(layout, K, vt):
     """layout ("wgmma", "colwarp" or None for STEP_LAYOUT) -> (tile, [K] row vector and [vt] column
-    vector register layouts, and `step_tile`'s layout argument). With layout None, a V tile the
+    vector register layouts, and `step_tile`'s layout argument). With layout None, a tile the
     colwarp layout cannot take (vt 128) gets the WGMMA layout, in every kernel alike."""
     if layout is None:
-        layout = "wgmma" if STEP_LAYOUT == "colwarp" and vt not in (32, 64) else STEP_LAYOUT
+        layout = "wgmma" if STEP_LAYOUT == "colwarp" and not _colwarp_fits(K, vt) else STEP_LAYOUT
     if layout == "wgmma":
         return WGMMA, ROW, COL, None
     if layout == "colwarp":
