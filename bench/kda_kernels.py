@@ -211,6 +211,7 @@ DECODE_VARIANTS = {
     "colwarp": {"layout": "colwarp", "tiles": 1},
     "colwarp_vt32": {"layout": "colwarp", "vt": 32, "tiles": 1},
     "colwarp_vt32_tiles2": {"layout": "colwarp", "vt": 32, "tiles": 2},
+    "colwarp_vt32_tiles4": {"layout": "colwarp", "vt": 32, "tiles": 4},
     "colwarp_tiles2_ro": {"layout": "colwarp", "tiles": 2, "read_only_wait": True},
 }
 
@@ -332,7 +333,7 @@ def main(argv=None):
                 kw = dict(api=None, vt=64, tiles=None, xla_casts=True) | opts
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": kw["vt"],
-                                   "tiles": kw["tiles"] or "auto (2 where V allows)",
+                                   "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, min(kw["vt"], 128)),
                                    "layout": "wgmma" if mgpu.step_layouts(kw.get("layout"), 128, min(kw["vt"], 128))[3]
                                    is None else "colwarp",
                                    "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}

@@ -243,7 +243,7 @@ def test_prep_kernel_in_interpret_mode(prep):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
 
 
-@pytest.mark.parametrize("vt,tiles", [(64, 1), (32, 4), (64, None)])
+@pytest.mark.parametrize("vt,tiles", [(64, 1), (32, 4), (64, 2), (64, None)])
 def test_decode_kernel_in_interpret_mode(vt, tiles):
     """The Mosaic GPU decode kernel itself (its TMA loads by slot, barriers, V tiles per CTA and
     stores), run by Mosaic GPU interpret mode on the CPU, against the f32 reference: bf16 inputs,
@@ -268,6 +268,20 @@ def test_decode_kernel_in_interpret_mode(vt, tiles):
     close(p[slots, 1], p_r[slots, 1])
     np.testing.assert_array_equal(np.asarray(p)[[1, 3]], np.asarray(pool)[[1, 3]])
     np.testing.assert_array_equal(np.asarray(p)[:, 0], np.asarray(pool)[:, 0])
+
+
+def test_decode_tiles_rule():
+    """decode's default V tiles per CTA: one while the one-tile grid fits in one CTA per SM (132), else
+    two where V holds two tiles; an explicit count is kept."""
+    from pallas_kernels.kda import mgpu
+
+    assert mgpu.decode_tiles(1, 12, 128) == 1  # 24 CTAs
+    assert mgpu.decode_tiles(66, 1, 128) == 1  # 132 CTAs: still one per SM
+    assert mgpu.decode_tiles(67, 1, 128) == 2
+    assert mgpu.decode_tiles(1, 96, 128) == 2  # 192 CTAs of one tile
+    assert mgpu.decode_tiles(256, 12, 128) == 2
+    assert mgpu.decode_tiles(256, 12, 64) == 1  # V holds one 64-wide tile
+    assert mgpu.decode_tiles(256, 12, 128, vt=32) == 2
 
 
 def _export_cuda(f, *args):

@@ -8,14 +8,15 @@ for Lane semantics too; the inter kernel for Warpgroup semantics (named in its c
 so JAX 0.10.2's CPU lowering test lowers it as the H200's 0.11.2 does).
 
 Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, two 64-wide V
-tiles). It TMA-loads the state tiles `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled; each on
-its own barrier) and the token's vectors into shared memory, holds a tile in registers in the
-colwarp layout (`STEP_LAYOUT`: the warps split the columns, so the two reductions over K stay
-inside a warp; the WGMMA layout remains an option), does the gated delta step in f32, and
-TMA-stores the tile. The pool is aliased input -> output, so the update is in place and untouched slots are
-never read or written (2 x 4 x K x V bytes per head): with `pl.pallas_call` on JAX <= 0.10, and on
-JAX 0.11.2 (no `pl.pallas_call` lowering for Mosaic GPU) by passing the pool to `plgpu.kernel` as
-a JAX Ref, which Pallas discharges into an input/output alias (`api="ref"`). `api="scatter"`
+tiles; one tile while that grid fits in one CTA per SM: `decode_tiles`). It TMA-loads the state
+tiles `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled; each on its own barrier) and the
+token's vectors into shared memory, holds a tile in registers in the colwarp layout
+(`STEP_LAYOUT`: the warps split the columns, so the two reductions over K stay inside a warp; the
+WGMMA layout remains an option), does the gated delta step in f32, and TMA-stores the tile. The
+pool is aliased input -> output, so the update is in place and untouched slots are never read or
+written (2 x 4 x K x V bytes per head): with `pl.pallas_call` on JAX <= 0.10, and on JAX 0.11.2
+(no `pl.pallas_call` lowering for Mosaic GPU) by passing the pool to `plgpu.kernel` as a JAX Ref,
+which Pallas discharges into an input/output alias (`api="ref"`). `api="scatter"`
 (a fresh array that XLA scatters into the pool) remains for comparison: 1.7-1.8x slower.
 
 Chunked prefill (`chunk`): the state-independent part of each chunk (w, u0, Aqk, q exp G,
@@ -176,6 +177,21 @@ def step_layouts(layout, K, vt):
     raise ValueError(f"unknown state tile layout {layout!r}")
 
 
+# SMs of an H100 / H200: a grid of fewer CTAs leaves SMs idle (decode's tiles, the inter kernel's vt)
+_SMS = 132
+
+
+def decode_tiles(N, HV, V, vt=64):
+    """decode's V tiles per CTA when not given: one while the one-tile grid (N x HV x V / vt CTAs) fits
+    in one CTA per SM, else two where V allows. On the H200 at one sequence x 12 heads one tile per
+    CTA (24 CTAs) takes 3.2 us against two tiles' 4.0; at 1 x 96 heads (192 CTAs) one takes 6.4
+    against 6.0, and at batch >= 64 they are within 1% (bench/NOTES.md, sessions 9 and 10). The tile
+    count never changes a bit: every tile steps alike (tests/gpu)."""
+    if N * HV * (V // vt) <= _SMS:
+        return 1
+    return 2 if V % (2 * vt) == 0 else 1
+
+
 def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=None, api=None, xla_casts=True,
            read_only_wait=False, layout=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
@@ -187,8 +203,9 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     new states to a fresh [N, HV, K, V] array that XLA scatters into the pool: twice the state
     traffic). Default: `default_decode_api()`.
 
-    tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None (the default): 2 where V
-    allows, else 1. All of a CTA's tile loads are issued up front, each on its own barrier; the
+    tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None (the default):
+    `decode_tiles` (1 while that grid fits in one CTA per SM, else 2 where V allows). All of a CTA's
+    tile loads are issued up front, each on its own barrier; the
     tiles are then stepped and stored one after the other, so tile j + 1 is in flight while tile j
     is stepped (v5: on the H200, 256 x 96 heads 0.809 ms against one tile's 0.846, 1024 x 12 0.409
     against 0.420; bench/NOTES.md).
@@ -214,7 +231,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     S_, L = pool.shape[:2]
     G = HV // H
     vt = min(vt, V)
-    tiles = (2 if V % (2 * vt) == 0 else 1) if tiles is None else tiles  # None: the widest that fits
+    tiles = decode_tiles(N, HV, V, vt) if tiles is None else tiles
     if K % 64 or V % (vt * tiles) or vt % 32:
         raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt * tiles} == 0 (K={K}, V={V})")
     api = api or default_decode_api()
@@ -781,10 +798,6 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
         o = res[0] if isinstance(res, (list, tuple)) else res
         return o, pool_ref[...]
     return tuple(f(*ins))
-
-
-# SMs of an H100 / H200: the inter kernel's CTA count below this leaves SMs idle
-_SMS = 132
 
 
 def inter_vt(num_seqs: int, HV: int, V: int) -> int:
