@@ -212,6 +212,9 @@ DECODE_VARIANTS = {
     "colwarp_vt32": {"layout": "colwarp", "vt": 32, "tiles": 1},
     "colwarp_vt32_tiles2": {"layout": "colwarp", "vt": 32, "tiles": 2},
     "colwarp_vt32_tiles4": {"layout": "colwarp", "vt": 32, "tiles": 4},
+    # the default tiles without Pallas's automatic barriers around SMEM stores (session 10)
+    "no_auto_barriers": {"auto_barriers": False},
+    "no_auto_barriers_tiles1": {"auto_barriers": False, "tiles": 1},
     "colwarp_tiles2_ro": {"layout": "colwarp", "tiles": 2, "read_only_wait": True},
 }
 
@@ -336,6 +339,7 @@ def main(argv=None):
                                    "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, min(kw["vt"], 128)),
                                    "layout": "wgmma" if mgpu.step_layouts(kw.get("layout"), 128, min(kw["vt"], 128))[3]
                                    is None else "colwarp",
+                                   "auto_barriers": kw.get("auto_barriers", True),
                                    "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}
                 if name != "default":
                     row["variant_row"] = True

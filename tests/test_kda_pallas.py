@@ -243,8 +243,9 @@ def test_prep_kernel_in_interpret_mode(prep):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
 
 
-@pytest.mark.parametrize("vt,tiles", [(64, 1), (32, 4), (64, 2), (64, None)])
-def test_decode_kernel_in_interpret_mode(vt, tiles):
+@pytest.mark.parametrize("vt,tiles,auto_barriers", [(64, 1, True), (32, 4, True), (64, 2, True), (64, None, True),
+                                                     (64, 2, False)])
+def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
     """The Mosaic GPU decode kernel itself (its TMA loads by slot, barriers, V tiles per CTA and
     stores), run by Mosaic GPU interpret mode on the CPU, against the f32 reference: bf16 inputs,
     two value heads per q/k head, a reset slot holding NaN (never read), untouched slots unchanged."""
@@ -263,7 +264,7 @@ def test_decode_kernel_in_interpret_mode(vt, tiles):
         o_r, p_r = kda_decode_ref(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), pool, slots, layer=1,
                                   reset=reset, scale=K**-0.5)
     o, p = mgpu.decode(q, k, v, g, beta, pool, slots, reset, layer=1, scale=K**-0.5, vt=vt, tiles=tiles,
-                       api="scatter", interpret=True)
+                       api="scatter", auto_barriers=auto_barriers, interpret=True)
     close(o, o_r)
     close(p[slots, 1], p_r[slots, 1])
     np.testing.assert_array_equal(np.asarray(p)[[1, 3]], np.asarray(pool)[[1, 3]])
@@ -282,6 +283,35 @@ def test_decode_tiles_rule():
     assert mgpu.decode_tiles(256, 12, 128) == 2
     assert mgpu.decode_tiles(256, 12, 64) == 1  # V holds one 64-wide tile
     assert mgpu.decode_tiles(256, 12, 128, vt=32) == 2
+
+
+def test_decode_without_auto_barriers_drops_them(monkeypatch):
+    """`mgpu.decode(auto_barriers=False)` lowers with `unsafe_no_auto_barriers`: the Mosaic GPU
+    module keeps only the barriers of commit_smem (one per tile) and the prologue, where Pallas
+    otherwise puts a warpgroup barrier before and after every SMEM store."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    from pallas_kernels.kda import mgpu
+
+    texts = []
+    serde = mgpu_core._run_serde_pass
+
+    def record(module, **kw):
+        texts.append(str(module))
+        return serde(module, **kw)
+
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", record)
+    sd = jax.ShapeDtypeStruct
+    N, H, HV, K, V = 4, 2, 4, 128, 128
+    bf = jnp.bfloat16
+    count = {}
+    for tiles, auto in itertools.product((1, 2), (True, False)):
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, tiles=tiles, auto_barriers=auto)
+        _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
+                     sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
+        count[tiles, auto] = texts[-1].count("bar.sync")
+    for tiles in (1, 2):
+        assert count[tiles, False] <= tiles + 1 < count[tiles, True], count
 
 
 def _export_cuda(f, *args):
