@@ -195,10 +195,11 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
 # CTA, the colwarp layout, XLA casts): `mgpu.decode` options. The older ones name their base, v1 (the
 # default until session 8: one tile per CTA, WGMMA layout), so each name keeps the kernel its rows in
 # results/kda_h200.json measured.
-_V1 = {"tiles": 1, "layout": "wgmma"}
+_V1 = {"vt": 64, "tiles": 1, "layout": "wgmma", "auto_barriers": True}
+_CW = {"layout": "colwarp", "vt": 64, "auto_barriers": True}  # session 9's colwarp decode
 DECODE_VARIANTS = {
     "v1": _V1,
-    "colwarp_tiles2": {"layout": "colwarp", "tiles": 2},  # = the default since session 9
+    "colwarp_tiles2": _CW | {"tiles": 2},  # = the default in sessions 9 and 10 (10: one tile at small grids)
     "v2": _V1 | {"xla_casts": False},
     "scatter": _V1 | {"api": "scatter"},
     "vt128": {"vt": 128, "tiles": 1},  # WGMMA layout either way (colwarp takes vt 32 or 64)
@@ -208,14 +209,16 @@ DECODE_VARIANTS = {
     "vt32_tiles4": _V1 | {"vt": 32, "tiles": 4},
     "ro_wait": _V1 | {"read_only_wait": True},
     "tiles2_ro": _V1 | {"tiles": 2, "read_only_wait": True},
-    "colwarp": {"layout": "colwarp", "tiles": 1},
-    "colwarp_vt32": {"layout": "colwarp", "vt": 32, "tiles": 1},
-    "colwarp_vt32_tiles2": {"layout": "colwarp", "vt": 32, "tiles": 2},
-    "colwarp_vt32_tiles4": {"layout": "colwarp", "vt": 32, "tiles": 4},
-    # the default tiles without Pallas's automatic barriers around SMEM stores (session 10)
-    "no_auto_barriers": {"auto_barriers": False},
-    "no_auto_barriers_tiles1": {"auto_barriers": False, "tiles": 1},
-    "colwarp_tiles2_ro": {"layout": "colwarp", "tiles": 2, "read_only_wait": True},
+    "colwarp": _CW | {"tiles": 1},
+    # colwarp at vt 32: 16 row lanes until session 10, replicated warps since session 11 (rows record which)
+    "colwarp_vt32": _CW | {"vt": 32, "tiles": 1},
+    "colwarp_vt32_tiles2": _CW | {"vt": 32, "tiles": 2},
+    "colwarp_vt32_tiles4": _CW | {"vt": 32, "tiles": 4},
+    # without Pallas's automatic barriers around SMEM stores (sessions 10-11; at 1 x 12 heads the rows
+    # of "no_auto_barriers" ran one tile, the tile rule then); one tile a CTA is the default since 11
+    "no_auto_barriers": {"vt": 64, "auto_barriers": False, "tiles": 2},
+    "no_auto_barriers_tiles1": {"vt": 64, "auto_barriers": False, "tiles": 1},
+    "colwarp_tiles2_ro": _CW | {"tiles": 2, "read_only_wait": True},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
@@ -333,13 +336,16 @@ def main(argv=None):
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
             for name, opts in variants:
-                kw = dict(api=None, vt=64, tiles=None, xla_casts=True) | opts
+                kw = dict(api=None, vt=None, tiles=None, xla_casts=True) | opts
+                vt = min(kw["vt"] or mgpu.decode_vt(N, H, 128, kw.get("layout"), kw.get("auto_barriers")), 128)
+                # the colwarp layout's vt-32 form replicates two warps since session 11 (rows before: 16 row lanes)
+                lay = ("wgmma" if mgpu.step_layouts(kw.get("layout"), 128, vt)[3] is None
+                       else "colwarp" if vt == 64 else "colwarp_replicated")
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
-                       "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": kw["vt"],
-                                   "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, min(kw["vt"], 128)),
-                                   "layout": "wgmma" if mgpu.step_layouts(kw.get("layout"), 128, min(kw["vt"], 128))[3]
-                                   is None else "colwarp",
-                                   "auto_barriers": kw.get("auto_barriers", True),
+                       "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": vt,
+                                   "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, vt), "layout": lay,
+                                   "auto_barriers": (mgpu.decode_auto_barriers(kw.get("layout"), 128, vt)
+                                                     if kw.get("auto_barriers") is None else kw["auto_barriers"]),
                                    "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}
                 if name != "default":
                     row["variant_row"] = True

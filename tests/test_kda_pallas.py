@@ -4,6 +4,7 @@ lowered for CUDA (no GPU needed) so API drift shows up in CI. GPU numerics: test
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -272,17 +273,58 @@ def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
 
 
 def test_decode_tiles_rule():
-    """decode's default V tiles per CTA: one while the one-tile grid fits in one CTA per SM (132), else
-    two where V holds two tiles; an explicit count is kept."""
+    """decode's default V tiles per CTA: two while the one-tile grid is one to two CTAs per SM (133 to
+    264), where V holds two tiles, else one; 32-wide tiles while that grid fits in one CTA per SM; the
+    automatic barriers only where the layout needs them."""
     from pallas_kernels.kda import mgpu
 
     assert mgpu.decode_tiles(1, 12, 128) == 1  # 24 CTAs
     assert mgpu.decode_tiles(66, 1, 128) == 1  # 132 CTAs: still one per SM
     assert mgpu.decode_tiles(67, 1, 128) == 2
     assert mgpu.decode_tiles(1, 96, 128) == 2  # 192 CTAs of one tile
-    assert mgpu.decode_tiles(256, 12, 128) == 2
-    assert mgpu.decode_tiles(256, 12, 64) == 1  # V holds one 64-wide tile
-    assert mgpu.decode_tiles(256, 12, 128, vt=32) == 2
+    assert mgpu.decode_tiles(132, 1, 128) == 2 and mgpu.decode_tiles(133, 1, 128) == 1  # 264 / 266
+    assert mgpu.decode_tiles(256, 12, 128) == 1
+    assert mgpu.decode_tiles(2, 96, 64) == 1  # V holds one 64-wide tile
+    assert mgpu.decode_tiles(3, 12, 128, vt=32) == 2  # 144 CTAs of 32 columns
+    assert mgpu.decode_auto_barriers(None, 128, 64) is False  # colwarp at vt 64
+    assert mgpu.decode_auto_barriers(None, 128, 32) is True  # colwarp's replicated warps
+    assert mgpu.decode_auto_barriers("wgmma", 128, 64) is True
+    # and 32-wide tiles while that grid fits (colwarp layout, automatic barriers), else 64
+    assert mgpu.decode_vt(1, 12, 128) == 32  # 48 CTAs
+    assert mgpu.decode_vt(33, 1, 128) == 32 and mgpu.decode_vt(34, 1, 128) == 64  # 132 / 136 CTAs
+    assert mgpu.decode_vt(1, 96, 128) == 64
+    assert mgpu.decode_vt(1, 12, 128, layout="wgmma") == 64
+    assert mgpu.decode_vt(1, 12, 128, auto_barriers=False) == 64
+
+
+def _float_ops(module_text):
+    """The float arithmetic and shuffles of a lowered Mosaic GPU module, in order, without operands."""
+    return re.findall(r"= (arith\.(?:addf|subf|mulf|divf)|math\.\w+|nvvm\.shfl\.sync \w+)", module_text)
+
+
+def test_decode_vt32_steps_as_vt64(monkeypatch):
+    """decode at vt 32 (the colwarp layout's replicated warps) lowers to the same float operations in
+    the same order as at vt 64, so each column is reduced alike (the GPU test checks the bits); a
+    32-wide tile without the automatic barriers, which its replicated warps need, is refused."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    from pallas_kernels.kda import mgpu
+
+    texts = []
+    serde = mgpu_core._run_serde_pass
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (texts.append(str(module)),
+                                                                          serde(module, **kw))[1])
+    sd = jax.ShapeDtypeStruct
+    N, H, K, V = 1, 12, 128, 128
+    f32 = jnp.float32
+    args = (sd((N, H, K), f32), sd((N, H, K), f32), sd((N, H, V), f32), sd((N, H, K), f32), sd((N, H), f32),
+            sd((1, 1, H, K, V), f32), sd((N,), jnp.int32), sd((N,), bool))
+    ops = {}
+    for vt in (32, 64):
+        _export_cuda(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=vt, tiles=1, layout="colwarp"), *args)
+        ops[vt] = _float_ops(texts[-1])
+    assert len(ops[64]) > 100 and ops[32] == ops[64]
+    with pytest.raises(ValueError, match="auto_barriers"):
+        jax.eval_shape(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=32, auto_barriers=False), *args)
 
 
 def test_decode_without_auto_barriers_drops_them(monkeypatch):
@@ -306,7 +348,7 @@ def test_decode_without_auto_barriers_drops_them(monkeypatch):
     bf = jnp.bfloat16
     count = {}
     for tiles, auto in itertools.product((1, 2), (True, False)):
-        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, tiles=tiles, auto_barriers=auto)
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, vt=64, tiles=tiles, auto_barriers=auto)
         _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                      sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         count[tiles, auto] = texts[-1].count("bar.sync")
@@ -330,11 +372,12 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     bf = jnp.bfloat16
     apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
     # one 64-wide V tile per CTA, and two or four tiles per CTA on their own barriers; the WGMMA and
-    # the colwarp register layout (K reductions inside a warp); the defaults (None: two tiles of 64,
+    # the colwarp register layout (K reductions inside a warp; at vt 32 two warps replicate the other two);
+    # the defaults (None: here one tile of 32,
     # `mgpu.STEP_LAYOUT`), and vt 128, where the default layout falls back to WGMMA
     for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
                                 + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp"),
-                                   (apis[-1], 32, 1, "colwarp"), (apis[-1], 64, None, None), (apis[-1], 128, 1, None)]):
+                                   (apis[-1], 32, 1, "colwarp"), (apis[-1], None, None, None), (apis[-1], 128, 1, None)]):
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))

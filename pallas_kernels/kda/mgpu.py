@@ -7,8 +7,10 @@ alias on 0.10). The prep kernel also runs in Mosaic GPU interpret mode (CPU test
 for Lane semantics too; the inter kernel for Warpgroup semantics (named in its compiler params,
 so JAX 0.10.2's CPU lowering test lowers it as the H200's 0.11.2 does).
 
-Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, two 64-wide V
-tiles; one tile while that grid fits in one CTA per SM: `decode_tiles`). It TMA-loads the state
+Decode (`decode`): one CTA (one warpgroup, 128 threads) per (sequence, value head, V tile): 64-wide
+tiles (32-wide while that grid fits in one CTA per SM: `decode_vt`; two tiles a CTA while the grid
+is one to two CTAs per SM: `decode_tiles`), without Pallas's automatic barriers where that is safe
+(`decode_auto_barriers`). It TMA-loads the state
 tiles `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled; each on its own barrier) and the
 token's vectors into shared memory, holds a tile in registers in the colwarp layout
 (`STEP_LAYOUT`: the warps split the columns, so the two reductions over K stay inside a warp; the
@@ -132,28 +134,33 @@ def step_tile(S, qv, kv, gv, vv, bt, layout=None):
 
 
 def _colwarp_fits(K, vt):
-    """Whether `_colwarp_layout` takes a [K, vt] tile: vt 32 or 64, and K a multiple of the lanes
-    along the rows (32 / (vt / 16))."""
-    return vt in (32, 64) and K % (32 // (vt // 16)) == 0
+    """Whether `_colwarp_layout` takes a [K, vt] tile: vt 32 or 64, and K a multiple of the 8 lanes
+    along the rows."""
+    return vt in (32, 64) and K % 8 == 0
 
 
 def _colwarp_layout(K, vt):
-    """A register layout for a [K, vt] f32 state tile (vt 32 or 64) in which the four warps
-    split the columns (vt / 4 each) and each thread holds 4 adjacent columns of K / (32 / chunks)
-    rows (chunks: the warp's 4-column chunks, 4 at vt = 64: 16 rows a thread): the decode step's
-    two reductions over K stay inside a warp (in-thread sums and shuffles), where the WGMMA layout
-    spreads K over the warps and reduces through shared memory. The lanes run over rows fastest,
-    so a quarter-warp's 16-byte loads hit 8 distinct chunks of the 128-byte swizzle (the other
-    order fails Mosaic's bank-conflict planner, and so does vt = 128, where a quarter-warp spans
-    only 4 rows)."""
+    """A register layout for a [K, vt] f32 state tile (vt 32 or 64) in which each warp holds 16
+    columns: its lanes are 4 chunks of 4 adjacent columns x 8 rows, and each thread holds 4 adjacent
+    columns of K / 8 rows (rows lane, lane + 8, ...). The decode step's two reductions over K stay
+    inside a warp (K / 8 in-thread sums and 3 shuffle rounds), where the WGMMA layout spreads K over the
+    warps and reduces through shared memory. The lanes run over rows fastest, so a quarter-warp's
+    16-byte loads hit 8 distinct chunks of the 128-byte swizzle (the other order fails Mosaic's
+    bank-conflict planner, and so does vt = 128, where a quarter-warp spans only 4 rows).
+
+    At vt = 64 the four warps split the columns. At vt = 32 two warps split them and the other two
+    replicate them (`Replicated` warps: both copies compute and store the same values), so every
+    column is reduced by the same instructions in the same order at either width, and decode at vt 32
+    is bit-identical to verify + fold at vt 64 (tests/gpu). Session 9's vt-32 form (16 row lanes, 8
+    rows a thread) reduced differently and was not. The replicas load and store the same shared
+    memory: their stores must wait for both to have loaded (Pallas's automatic barriers)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    cw = vt // 4  # columns per warp
-    lr = 32 // (cw // 4)  # lanes along the rows
     if not _colwarp_fits(K, vt):
-        raise NotImplementedError(f"the colwarp layout needs vt 32 or 64 and K % {lr} == 0 (K={K}, vt={vt})")
-    tiling = fa.Tiling(((K, vt), (K, cw), (lr, cw), (4,)))
-    return plgpu.Layout.TILED(tiling, warp_dims=(-6,), lane_dims=(-2, -3), vector_dim=-1)
+        raise NotImplementedError(f"the colwarp layout needs vt 32 or 64 and K % 8 == 0 (K={K}, vt={vt})")
+    tiling = fa.Tiling(((K, vt), (K, 16), (8, 16), (4,)))
+    warps = (-6,) if vt == 64 else (-6, fa.Replicated(2))
+    return plgpu.Layout.TILED(tiling, warp_dims=warps, lane_dims=(-2, -3), vector_dim=-1)
 
 
 # The state tile's register layout in the recurrent kernels (decode here, verify and fold in
@@ -182,19 +189,42 @@ def step_layouts(layout, K, vt):
 _SMS = 132
 
 
+def decode_vt(N, HV, V, layout=None, auto_barriers=None):
+    """decode's V tile width when not given: 32 while the 32-wide one-tile grid (N x HV x V / 32
+    CTAs) fits in one CTA per SM and the state tiles take the colwarp layout (whose vt-32 form steps
+    every column as vt 64 does, bit for bit, and needs the automatic barriers), else 64. Twice the
+    CTAs for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24
+    of 32 KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
+    if (auto_barriers is not False and (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0
+            and N * HV * (V // 32) <= _SMS):
+        return 32
+    return 64
+
+
+def decode_auto_barriers(layout, K, vt):
+    """decode's `auto_barriers` when not given: False (no automatic barriers around its shared-memory
+    stores) for the colwarp layout at vt 64, where each thread stores only the state elements it
+    loaded; True for the colwarp layout's vt-32 form (two warps replicate two others and share their
+    elements) and for the WGMMA layout (its reductions over K cross warps). On the H200 the barriers
+    cost ~1% at batch >= 64 with one tile per CTA (bench/NOTES.md, session 11)."""
+    return step_layouts(layout, K, vt)[3] is None or vt < 64
+
+
 def decode_tiles(N, HV, V, vt=64):
-    """decode's V tiles per CTA when not given: one while the one-tile grid (N x HV x V / vt CTAs) fits
-    in one CTA per SM, else two where V allows. On the H200 at one sequence x 12 heads one tile per
-    CTA (24 CTAs) takes 3.2 us against two tiles' 4.0; at 1 x 96 heads (192 CTAs) one takes 6.4
-    against 6.0, and at batch >= 64 they are within 1% (bench/NOTES.md, sessions 9 and 10). The tile
-    count never changes a bit: every tile steps alike (tests/gpu)."""
-    if N * HV * (V // vt) <= _SMS:
-        return 1
-    return 2 if V % (2 * vt) == 0 else 1
+    """decode's V tiles per CTA when not given: two where V allows while the one-tile grid (N x HV x
+    V / vt CTAs) is more than one CTA per SM but at most two, else one. On the H200 (session 11,
+    kernel us): 1 x 96 heads (192 one-tile CTAs) 6.15 with two tiles against 6.3-6.4 with one; at
+    batch >= 64 one tile without the automatic barriers is the fastest form (64 x 12: 28.9 against
+    two tiles' 29.0-29.1; 1024 x 12: 404.1 against 406.7-407.0; 256 x 96: 804.7 against 807.8-809.5).
+    Grids between 264 and 1,536 one-tile CTAs were not measured. The tile count never changes a bit:
+    every tile steps alike (tests/gpu)."""
+    if _SMS < N * HV * (V // vt) <= 2 * _SMS and V % (2 * vt) == 0:
+        return 2
+    return 1
 
 
-def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=None, api=None, xla_casts=True,
-           read_only_wait=False, layout=None, auto_barriers=True, interpret=False):
+def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles=None, api=None, xla_casts=True,
+           read_only_wait=False, layout=None, auto_barriers=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -204,12 +234,14 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     new states to a fresh [N, HV, K, V] array that XLA scatters into the pool: twice the state
     traffic). Default: `default_decode_api()`.
 
+    vt: the V tile width (None: `decode_vt`, 32 at small grids, else 64).
+
     tiles: V tiles of width vt per CTA (grid N x HV x V / (vt tiles)); None (the default):
-    `decode_tiles` (1 while that grid fits in one CTA per SM, else 2 where V allows). All of a CTA's
-    tile loads are issued up front, each on its own barrier; the
-    tiles are then stepped and stored one after the other, so tile j + 1 is in flight while tile j
-    is stepped (v5: on the H200, 256 x 96 heads 0.809 ms against one tile's 0.846, 1024 x 12 0.409
-    against 0.420; bench/NOTES.md).
+    `decode_tiles` (2 while the one-tile grid is one to two CTAs per SM, else 1). All of a CTA's
+    tile loads are issued up front, each on its own barrier; the tiles are then stepped and stored
+    one after the other, so tile j + 1 is in flight while tile j is stepped (v5; with the automatic
+    barriers and the WGMMA layout it beat one tile at batch >= 256 on the H200, without them and in
+    the colwarp layout one tile is as fast or faster there: bench/NOTES.md, sessions 8 and 11).
 
     xla_casts: True (v1, the default) converts the inputs to f32 (and scales q) in XLA before the
     kernel; False (v2) reads them in their own dtypes (bf16 or f32) and converts in the kernel.
@@ -224,11 +256,13 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     and 0.105 ms at 256 x 12 heads on the H200 with tiles=2, 0.90 of copy bandwidth, against
     0.108).
 
-    auto_barriers: False compiles with `unsafe_no_auto_barriers`, dropping the warpgroup barriers
+    auto_barriers: None (the default): `decode_auto_barriers` (False for the colwarp layout at vt 64).
+    False compiles with `unsafe_no_auto_barriers`, dropping the warpgroup barriers
     Pallas puts before and after every SMEM store (the lowered module keeps 3 of its 17 `bar.sync` at
-    two tiles a CTA, 2 of 11 at one). Safe here: each thread stores only the state elements it loaded (the tile layouts
-    replicate nothing), the output vector's replicas store equal values, and `commit_smem` (fence
-    and barrier) still orders the stores before each TMA store. Not yet timed on the GPU.
+    two tiles a CTA, 2 of 11 at one). Safe at vt 64: each thread stores only the state elements it
+    loaded (no warp replicates another), the output vector's replicas store equal values, and
+    `commit_smem` (fence and barrier) still orders the stores before each TMA store. Refused at
+    vt 32 in the colwarp layout, whose replicated warps share their state elements.
 
     interpret: Mosaic GPU interpret mode, api "scatter" (the CPU tests run this kernel's tiles and
     barriers there; the "ref" api fails in interpret mode on JAX 0.10.2). It ignores layouts.
@@ -237,7 +271,8 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
     G = HV // H
-    vt = min(vt, V)
+    vt = min(vt or decode_vt(N, HV, V, layout, auto_barriers), V)
+    auto_barriers = decode_auto_barriers(layout, K, vt) if auto_barriers is None else auto_barriers
     tiles = decode_tiles(N, HV, V, vt) if tiles is None else tiles
     if K % 64 or V % (vt * tiles) or vt % 32:
         raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt * tiles} == 0 (K={K}, V={V})")
@@ -249,10 +284,12 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=64, tiles=N
     f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
     span = vt * tiles  # the V columns of one CTA
-    # without the barriers Pallas puts around every SMEM store (built here: only this opt-in form needs
-    # the CompilerParams field); commit_smem keeps its own
+    # without the barriers Pallas puts around every SMEM store; commit_smem keeps its own
     params = _LANE if auto_barriers else dataclasses.replace(_LANE, unsafe_no_auto_barriers=True)
     TL, RL, CL, step_layout = step_layouts(layout, K, vt)
+    if not auto_barriers and step_layout is not None and vt < 64:  # colwarp's replicated warps (vt 32)
+        raise ValueError(f"decode at vt={vt} in the {layout or STEP_LAYOUT} layout has replicated warps, which "
+                         "load and store the same shared memory: it needs auto_barriers=True")
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G

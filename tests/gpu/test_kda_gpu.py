@@ -44,17 +44,18 @@ def f32ref(x):
     return x.astype(jnp.float32)
 
 
-# the default (kda_decode, impl="pallas") at four shapes, then the kernel's other forms (V tiles per
+# the default (kda_decode, impl="pallas") at five shapes (vt 32; two tiles; one tile), then the kernel's other forms (V tiles per
 # CTA, the WGMMA or colwarp register layout, vt 32) through mgpu.decode
 _DEFAULT = None
-_OPTS = [dict(vt=64, tiles=2, layout="wgmma"), dict(vt=64, tiles=1, layout="wgmma"), dict(vt=64, tiles=1, layout="colwarp"),
+_OPTS = [dict(vt=64, tiles=2, layout="wgmma"), dict(vt=64, tiles=1, layout="wgmma"),
+         dict(vt=64, tiles=1, layout="colwarp", auto_barriers=True), dict(vt=64, tiles=2, layout="colwarp", auto_barriers=True),
          dict(vt=32, tiles=1, layout="colwarp"), dict(vt=32, tiles=2, layout="colwarp"), dict(vt=128, tiles=1),
-         # without Pallas's automatic barriers around SMEM stores (session 10, not yet run on the GPU)
-         dict(tiles=1, auto_barriers=False), dict(tiles=2, auto_barriers=False)]
+         # without Pallas's automatic barriers around SMEM stores (the default at vt 64 since session 11)
+         dict(vt=64, tiles=1, auto_barriers=False), dict(vt=64, tiles=2, auto_barriers=False)]
 
 
-@pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (256, 12, 12, _DEFAULT), (64, 4, 8, _DEFAULT),
-                                         (33, 4, 8, _DEFAULT)] + [(33, 4, 8, o) for o in _OPTS])
+@pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (1, 96, 96, _DEFAULT), (256, 12, 12, _DEFAULT),
+                                         (64, 4, 8, _DEFAULT), (33, 4, 8, _DEFAULT)] + [(33, 4, 8, o) for o in _OPTS])
 def test_decode_in_place(N, H, HV, opts):
     """Against the f32 reference, in place: a NaN reset slot is never read, untouched slots and the
     other layer are unchanged. opts: `mgpu.decode` options, or the default path."""
@@ -201,14 +202,16 @@ def test_verify_and_fold(N, H, HV):
     np.testing.assert_array_equal(new[untouched], pool_np[untouched])
 
 
-@pytest.mark.parametrize("layout,tiles,auto_barriers", [("wgmma", 1, True), ("wgmma", 2, True), ("colwarp", 2, True),
-                                                        ("colwarp", 2, False)])
-def test_verify_fold_bitwise_equal_decode(layout, tiles, auto_barriers, monkeypatch):
+@pytest.mark.parametrize("layout,vt,tiles,auto_barriers", [("wgmma", 64, 1, True), ("wgmma", 64, 2, True),
+                                                           ("colwarp", 64, 2, True), ("colwarp", 64, 2, False),
+                                                           ("colwarp", 32, 1, True)])
+def test_verify_fold_bitwise_equal_decode(layout, vt, tiles, auto_barriers, monkeypatch):
     """Speculative decoding on the kernels can only be token-identical to plain decoding if verify
     and fold compute what the decode kernel computes, bit for bit: the verify kernel's outputs for
     T tokens equal T decode-kernel steps, and folding all T captured steps leaves the decode
     kernel's state (strong K3 gates: g = -5 sigmoid(x)). For each state tile layout
-    (`mgpu.STEP_LAYOUT`, which all three kernels read) and V tiles per decode CTA."""
+    (`mgpu.STEP_LAYOUT`, which all three kernels read), V tile width of the decode kernel (verify and
+    fold take 64; colwarp's vt 32 replicates warps to step each column alike) and V tiles per CTA."""
     from pallas_kernels.kda import mgpu
     from pallas_kernels.kda.spec import kda_fold, kda_verify
 
@@ -222,7 +225,8 @@ def test_verify_fold_bitwise_equal_decode(layout, tiles, auto_barriers, monkeypa
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (N, T, HV, 128)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (N, T, HV)))
     S0 = jax.random.normal(ks[5], (N, HV, 128, 128)) * 0.05
-    dec = jax.jit(functools.partial(mgpu.decode, layer=0, scale=128**-0.5, tiles=tiles, auto_barriers=auto_barriers))
+    dec = jax.jit(functools.partial(mgpu.decode, layer=0, scale=128**-0.5, vt=vt, tiles=tiles,
+                                    auto_barriers=auto_barriers))
     pool, outs = S0[:, None], []
     for t in range(T):
         o, pool = dec(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], pool, jnp.arange(N, dtype=jnp.int32),
