@@ -214,6 +214,9 @@ DECODE_VARIANTS = {
     "colwarp_vt32": _CW | {"vt": 32, "tiles": 1},
     "colwarp_vt32_tiles2": _CW | {"vt": 32, "tiles": 2},
     "colwarp_vt32_tiles4": _CW | {"vt": 32, "tiles": 4},
+    # the vt-32 form without the automatic barriers: one barrier before each tile's stores (session 11, not timed)
+    "vt32_one_barrier": {"layout": "colwarp", "vt": 32, "tiles": 1, "auto_barriers": False},
+    "vt32_tiles2_one_barrier": {"layout": "colwarp", "vt": 32, "tiles": 2, "auto_barriers": False},
     # without Pallas's automatic barriers around SMEM stores (sessions 10-11; at 1 x 12 heads the rows
     # of "no_auto_barriers" ran one tile, the tile rule then); one tile a CTA is the default since 11
     "no_auto_barriers": {"vt": 64, "auto_barriers": False, "tiles": 2},
@@ -337,7 +340,7 @@ def main(argv=None):
                 print("fla decode failed", repr(e)[:300])
             for name, opts in variants:
                 kw = dict(api=None, vt=None, tiles=None, xla_casts=True) | opts
-                vt = min(kw["vt"] or mgpu.decode_vt(N, H, 128, kw.get("layout"), kw.get("auto_barriers")), 128)
+                vt = min(kw["vt"] or mgpu.decode_vt(N, H, 128, kw.get("layout")), 128)
                 # the colwarp layout's vt-32 form replicates two warps since session 11 (rows before: 16 row lanes)
                 lay = ("wgmma" if mgpu.step_layouts(kw.get("layout"), 128, vt)[3] is None
                        else "colwarp" if vt == 64 else "colwarp_replicated")

@@ -245,7 +245,7 @@ def test_prep_kernel_in_interpret_mode(prep):
 
 
 @pytest.mark.parametrize("vt,tiles,auto_barriers", [(64, 1, True), (32, 4, True), (64, 2, True), (64, None, True),
-                                                     (64, 2, False)])
+                                                     (64, 2, False), (32, 1, False)])
 def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
     """The Mosaic GPU decode kernel itself (its TMA loads by slot, barriers, V tiles per CTA and
     stores), run by Mosaic GPU interpret mode on the CPU, against the f32 reference: bf16 inputs,
@@ -294,7 +294,6 @@ def test_decode_tiles_rule():
     assert mgpu.decode_vt(33, 1, 128) == 32 and mgpu.decode_vt(34, 1, 128) == 64  # 132 / 136 CTAs
     assert mgpu.decode_vt(1, 96, 128) == 64
     assert mgpu.decode_vt(1, 12, 128, layout="wgmma") == 64
-    assert mgpu.decode_vt(1, 12, 128, auto_barriers=False) == 64
 
 
 def _float_ops(module_text):
@@ -304,8 +303,9 @@ def _float_ops(module_text):
 
 def test_decode_vt32_steps_as_vt64(monkeypatch):
     """decode at vt 32 (the colwarp layout's replicated warps) lowers to the same float operations in
-    the same order as at vt 64, so each column is reduced alike (the GPU test checks the bits); a
-    32-wide tile without the automatic barriers, which its replicated warps need, is refused."""
+    the same order as at vt 64, so each column is reduced alike (the GPU test checks the bits);
+    without the automatic barriers it keeps one per tile before the stores (its replicas share
+    state elements), and vt 64 none."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
     from pallas_kernels.kda import mgpu
 
@@ -318,13 +318,13 @@ def test_decode_vt32_steps_as_vt64(monkeypatch):
     f32 = jnp.float32
     args = (sd((N, H, K), f32), sd((N, H, K), f32), sd((N, H, V), f32), sd((N, H, K), f32), sd((N, H), f32),
             sd((1, 1, H, K, V), f32), sd((N,), jnp.int32), sd((N,), bool))
-    ops = {}
-    for vt in (32, 64):
-        _export_cuda(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=vt, tiles=1, layout="colwarp"), *args)
-        ops[vt] = _float_ops(texts[-1])
-    assert len(ops[64]) > 100 and ops[32] == ops[64]
-    with pytest.raises(ValueError, match="auto_barriers"):
-        jax.eval_shape(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=32, auto_barriers=False), *args)
+    ops, bars = {}, {}
+    for vt, auto in itertools.product((32, 64), (True, False)):
+        _export_cuda(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=vt, tiles=1, layout="colwarp",
+                                       auto_barriers=auto), *args)
+        ops[vt, auto], bars[vt, auto] = _float_ops(texts[-1]), texts[-1].count("bar.sync")
+    assert len(ops[64, True]) > 100 and ops[32, True] == ops[64, True] == ops[32, False] == ops[64, False]
+    assert bars[32, False] == bars[64, False] + 1 < bars[32, True], bars
 
 
 def test_decode_without_auto_barriers_drops_them(monkeypatch):

@@ -153,7 +153,8 @@ def _colwarp_layout(K, vt):
     column is reduced by the same instructions in the same order at either width, and decode at vt 32
     is bit-identical to verify + fold at vt 64 (tests/gpu). Session 9's vt-32 form (16 row lanes, 8
     rows a thread) reduced differently and was not. The replicas load and store the same shared
-    memory: their stores must wait for both to have loaded (Pallas's automatic barriers)."""
+    memory: their stores must wait for both to have loaded (Pallas's automatic barriers, or decode's
+    one barrier without them)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
     if not _colwarp_fits(K, vt):
@@ -189,14 +190,13 @@ def step_layouts(layout, K, vt):
 _SMS = 132
 
 
-def decode_vt(N, HV, V, layout=None, auto_barriers=None):
+def decode_vt(N, HV, V, layout=None):
     """decode's V tile width when not given: 32 while the 32-wide one-tile grid (N x HV x V / 32
     CTAs) fits in one CTA per SM and the state tiles take the colwarp layout (whose vt-32 form steps
-    every column as vt 64 does, bit for bit, and needs the automatic barriers), else 64. Twice the
+    every column as vt 64 does, bit for bit), else 64. Twice the
     CTAs for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24
     of 32 KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
-    if (auto_barriers is not False and (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0
-            and N * HV * (V // 32) <= _SMS):
+    if (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
         return 32
     return 64
 
@@ -205,8 +205,9 @@ def decode_auto_barriers(layout, K, vt):
     """decode's `auto_barriers` when not given: False (no automatic barriers around its shared-memory
     stores) for the colwarp layout at vt 64, where each thread stores only the state elements it
     loaded; True for the colwarp layout's vt-32 form (two warps replicate two others and share their
-    elements) and for the WGMMA layout (its reductions over K cross warps). On the H200 the barriers
-    cost ~1% at batch >= 64 with one tile per CTA (bench/NOTES.md, session 11)."""
+    elements: without the automatic barriers decode adds the one barrier they need, not yet timed)
+    and for the WGMMA layout (its reductions over K cross warps). On the H200 the barriers cost ~1%
+    at batch >= 64 with one tile per CTA (bench/NOTES.md, session 11)."""
     return step_layouts(layout, K, vt)[3] is None or vt < 64
 
 
@@ -261,8 +262,10 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     Pallas puts before and after every SMEM store (the lowered module keeps 3 of its 17 `bar.sync` at
     two tiles a CTA, 2 of 11 at one). Safe at vt 64: each thread stores only the state elements it
     loaded (no warp replicates another), the output vector's replicas store equal values, and
-    `commit_smem` (fence and barrier) still orders the stores before each TMA store. Refused at
-    vt 32 in the colwarp layout, whose replicated warps share their state elements.
+    `commit_smem` (fence and barrier) still orders the stores before each TMA store. At vt 32 in the
+    colwarp layout, whose replicated warps share their state elements, one more barrier (a
+    `commit_smem`) holds each tile's stores until every warp has loaded it (opt-in; not yet timed on
+    the GPU: the default keeps the automatic barriers there).
 
     interpret: Mosaic GPU interpret mode, api "scatter" (the CPU tests run this kernel's tiles and
     barriers there; the "ref" api fails in interpret mode on JAX 0.10.2). It ignores layouts.
@@ -271,7 +274,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     HV, V = v.shape[1], v.shape[2]
     S_, L = pool.shape[:2]
     G = HV // H
-    vt = min(vt or decode_vt(N, HV, V, layout, auto_barriers), V)
+    vt = min(vt or decode_vt(N, HV, V, layout), V)
     auto_barriers = decode_auto_barriers(layout, K, vt) if auto_barriers is None else auto_barriers
     tiles = decode_tiles(N, HV, V, vt) if tiles is None else tiles
     if K % 64 or V % (vt * tiles) or vt % 32:
@@ -287,9 +290,9 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     # without the barriers Pallas puts around every SMEM store; commit_smem keeps its own
     params = _LANE if auto_barriers else dataclasses.replace(_LANE, unsafe_no_auto_barriers=True)
     TL, RL, CL, step_layout = step_layouts(layout, K, vt)
-    if not auto_barriers and step_layout is not None and vt < 64:  # colwarp's replicated warps (vt 32)
-        raise ValueError(f"decode at vt={vt} in the {layout or STEP_LAYOUT} layout has replicated warps, which "
-                         "load and store the same shared memory: it needs auto_barriers=True")
+    # colwarp's vt-32 form: two warps replicate two others and load and store the same state elements, so
+    # without the automatic barriers one barrier must hold every store until all replicas have loaded
+    replica_barrier = not auto_barriers and step_layout is not None and vt < 64
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G
@@ -319,6 +322,8 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
             S = jnp.where(rs != 0, 0.0, ld(s_smem.at[j], TL))  # a reset slot's values are discarded
             o, S = step_tile(S, qv, kv, gv, ld(v_smem.at[pl.ds(j * vt, vt)], CL), bt,
                              layout=None if interpret else step_layout)
+            if replica_barrier:  # every warp has its tile in registers before any stores
+                plgpu.commit_smem()
             s_smem.at[j][...] = S
             o_smem[pl.ds(j * vt, vt)] = o
             plgpu.commit_smem()
