@@ -17,6 +17,7 @@ per-step snapshots + commit, and the jnp references (`bench_verify_fold`). Write
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -92,7 +93,7 @@ def prep_breakdown(jin, B, T, H, R):
     return out
 
 
-def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
+def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=False):
     """One KDA layer's speculative block of T = gamma + 1 tokens for N sequences, on a pool of slot
     sets (so the states stream from HBM), three ways, each R steps inside one jit:
     - fold: Mosaic GPU verify (reads the committed state, writes o; the capture is the f32 inputs)
@@ -101,7 +102,8 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
       scratch), then the commit (XLA: gather the n_keep-th snapshot, scatter it into the pool);
     - xla: the jnp references (`spec.kda_verify` + `spec.kda_fold` on gathered states, scatter back).
     ours_ms = fold; bandwidth_frac = the fold path's state bytes (3 x K x V x 4 per head: verify
-    read, fold read + write) over its time, against the copy bandwidth."""
+    read, fold read + write) over its time, against the copy bandwidth. no_auto_barriers: also the
+    fold path and its two kernels with `auto_barriers=False` (`*_nab_ms`; session 11, opt-in)."""
     from pallas_kernels.kda import spec_kernels as sk
     from pallas_kernels.kda.ref import _prep
     from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify, replay_bytes, snapshot_bytes
@@ -116,12 +118,14 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     n_keep = jax.random.randint(jax.random.key(1), (N,), 0, T + 1).astype(jnp.int32)
     zeros = jnp.zeros((N,), jnp.int32)
 
-    def fold_step(pool, i):
+    def fold_step(pool, i, ab=True):
         sl = slot_sets[i % sets]
         qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, None)
-        o = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros)
+        o = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros, auto_barriers=ab)
         cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
-        return o, sk.fold_pool(pool, sl, cap, n_keep)
+        return o, sk.fold_pool(pool, sl, cap, n_keep, auto_barriers=ab)
+
+    fold_nab = functools.partial(fold_step, ab=False)
 
     def snap_step(pool, i):
         sl = slot_sets[i % sets]
@@ -143,13 +147,14 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
     pool0 = jax.random.normal(jax.random.key(0), (NS, 1, H, K, V), jnp.float32) * 0.01
     # correctness of the two kernel paths against the XLA path, one step from the same pool
     ref_o, ref_p = jax.jit(lambda p: xla_step(p, 0))(pool0)
-    for name, f in (("fold", fold_step), ("snapshots", snap_step)):
+    paths = [("fold", fold_step), ("snapshots", snap_step)] + ([("fold_nab", fold_nab)] if no_auto_barriers else [])
+    for name, f in paths:
         o, p = jax.jit(lambda p: f(p, 0))(pool0)
         out[f"rel_err_o_{name}_vs_xla"] = rel(o, ref_o)
         out[f"rel_err_state_{name}_vs_xla"] = rel(p[:N], ref_p[:N])
     del ref_o, ref_p
     times = {}
-    for name, f in (("fold", fold_step), ("snapshots", snap_step), ("xla", xla_step)):
+    for name, f in paths + [("xla", xla_step)]:
         def steps(pool, f=f):
             for i in range(R):
                 o, pool = f(pool, i)
@@ -164,30 +169,34 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4):
 
         times[name] = jax_ms(run)
         box = None
-    # the two kernels of the fold path alone
+    # the two kernels of the fold path alone (and without the automatic barriers)
     qf, kf, vf, gf, bf = jax.jit(lambda: _prep(q, k, v, g, beta, None))()
-    ver = jax.jit(lambda p: [sk.verify_mgpu(qf, kf, vf, gf, bf, p.reshape(-1, K, V), slot_sets[i % sets] * H, zeros)
-                             for i in range(R)])
-    times["verify_only"] = jax_ms(lambda: (ver(pool0), R))
     cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
+    for sfx, ab in [("", True)] + ([("_nab", False)] if no_auto_barriers else []):
+        ver = jax.jit(lambda p, ab=ab: [sk.verify_mgpu(qf, kf, vf, gf, bf, p.reshape(-1, K, V), slot_sets[i % sets] * H,
+                                                       zeros, auto_barriers=ab) for i in range(R)])
+        times["verify_only" + sfx] = jax_ms(lambda: (ver(pool0), R))
 
-    def folds(pool):
-        for i in range(R):
-            pool = sk.fold_pool(pool, slot_sets[i % sets], cap, n_keep)
-        return pool
+        def folds(pool, ab=ab):
+            for i in range(R):
+                pool = sk.fold_pool(pool, slot_sets[i % sets], cap, n_keep, auto_barriers=ab)
+            return pool
 
-    folds = jax.jit(folds, donate_argnums=0)
-    box = {"pool": pool0 + 0}
+        folds = jax.jit(folds, donate_argnums=0)
+        box = {"pool": pool0 + 0}
 
-    def run_f():
-        box["pool"] = folds(box["pool"])
-        return box["pool"], R
+        def run_f():
+            box["pool"] = folds(box["pool"])
+            return box["pool"], R
 
-    times["fold_only"] = jax_ms(run_f)
+        times["fold_only" + sfx] = jax_ms(run_f)
     state_bytes = 3 * N * H * K * V * 4
     out.update(ours_ms=times["fold"], fla_ms=None, bandwidth_frac=state_bytes / (times["fold"] * 1e-3) / 1e9 / copy_gbps,
                snapshots_ms=times["snapshots"], xla_ms=times["xla"], verify_only_ms=times["verify_only"],
                fold_only_ms=times["fold_only"], speedup_vs_snapshots=times["snapshots"] / times["fold"])
+    if no_auto_barriers:
+        out.update(fold_nab_ms=times["fold_nab"], verify_only_nab_ms=times["verify_only_nab"],
+                   fold_only_nab_ms=times["fold_only_nab"])
     return out
 
 
@@ -256,6 +265,9 @@ def main(argv=None):
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
     ap.add_argument("--gamma", type=int, default=7, help="draft tokens per verify block (T = gamma + 1)")
+    ap.add_argument("--verify-no-auto-barriers", action="store_true",
+                    help="verify_fold rows also time the verify and fold kernels without Pallas's automatic "
+                         "barriers (auto_barriers=False; fold_nab_ms, verify_only_nab_ms, fold_only_nab_ms)")
     args = ap.parse_args(argv)
 
     import torch
@@ -420,7 +432,8 @@ def main(argv=None):
         N, H = map(int, spec.split("x"))
         row = {"op": "verify_fold", "shape": {"batch": N, "heads": H, "gamma": args.gamma, "layers": 1, "K": 128, "V": 128}}
         try:
-            row.update(bench_verify_fold(inputs, N, H, args.gamma, copy_gbps))
+            row.update(bench_verify_fold(inputs, N, H, args.gamma, copy_gbps,
+                                         no_auto_barriers=args.verify_no_auto_barriers))
         except Exception as e:
             row["error"] = repr(e)[:600]
             traceback.print_exc()

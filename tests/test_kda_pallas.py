@@ -469,6 +469,40 @@ def test_fold_pool_in_place_by_slot():
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
+def test_spec_kernels_without_auto_barriers(monkeypatch):
+    """verify (plain path) and fold with `auto_barriers=False` lower with fewer `bar.sync` (verify at
+    T = 8 keeps only commit_smem's and the prologue's) and the same float operations; refused where
+    threads share state elements or wait on another thread's TMA (snapshots, WGMMA, colwarp vt 32)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    from pallas_kernels.kda import spec_kernels as sk
+
+    texts = []
+    serde = mgpu_core._run_serde_pass
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (texts.append(str(module)),
+                                                                          serde(module, **kw))[1])
+    sd = jax.ShapeDtypeStruct
+    N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
+    f = jnp.float32
+    vec = lambda X: sd((N, T, HV, X), f)
+    vargs = (vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f), sd((N,), jnp.int32),
+             sd((N,), jnp.int32))
+    R = N * L
+    cv = lambda X: sd((R, T, HV, X), f)
+    i = sd((R,), jnp.int32)
+    fargs = (sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
+    for kernel, args in ((sk.verify_mgpu, vargs), (sk.fold_mgpu, fargs)):
+        ops, bars = {}, {}
+        for auto in (True, False):
+            _export_cuda(functools.partial(kernel, auto_barriers=auto), *args)
+            ops[auto], bars[auto] = _float_ops(texts[-1]), texts[-1].count("bar.sync")
+        assert ops[True] == ops[False] and bars[False] < bars[True], (kernel.__name__, bars)
+        for bad in (dict(layout="wgmma"), dict(vt=32)):
+            with pytest.raises(ValueError, match="auto_barriers=True"):
+                jax.eval_shape(functools.partial(kernel, auto_barriers=False, **bad), *args)
+    with pytest.raises(ValueError, match="snapshots"):
+        jax.eval_shape(functools.partial(sk.verify_mgpu, snapshots=True, auto_barriers=False), *vargs)
+
+
 def test_spec_mosaic_gpu_kernels_lower_for_cuda():
     from pallas_kernels.kda import spec_kernels as sk
 

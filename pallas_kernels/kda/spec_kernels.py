@@ -32,6 +32,8 @@ Implementations:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -157,11 +159,12 @@ def _mgpu():
     return plgpu, mgpu
 
 
-def _launch(body, ins, pool3, out_types, grid, names, scratch, name):
+def _launch(body, ins, pool3, out_types, grid, names, scratch, name, auto_barriers=True):
     """Runs `body(idx, *in_refs, pool_ref, *out_refs, *scratch)` over `grid` with the pool updated
-    in place (read-only use is fine too). -> (outs list, pool3)."""
+    in place (read-only use is fine too); auto_barriers False: without Pallas's barriers around
+    shared-memory stores (`mgpu.decode`'s `auto_barriers`). -> (outs list, pool3)."""
     plgpu, mgpu = _mgpu()
-    params = mgpu._LANE
+    params = mgpu._LANE if auto_barriers else dataclasses.replace(mgpu._LANE, unsafe_no_auto_barriers=True)
     n_in = len(ins)
     if mgpu.default_decode_api() == "pallas_call":  # JAX <= 0.10
         def kernel(*refs):
@@ -190,16 +193,31 @@ def _launch(body, ins, pool3, out_types, grid, names, scratch, name):
     return list(outs), pool_ref[...]
 
 
-def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False, layout=None):
+def _check_no_auto_barriers(kernel, layout, K, vt, snapshots=False):
+    """auto_barriers=False is safe where each thread stores only what it loaded (or writes what no
+    one reads back): the colwarp layout at vt 64 (where `mgpu.decode_auto_barriers` drops them),
+    and not verify's snapshot ring, whose slot reuse waits on one thread's TMA wait."""
+    _, mgpu = _mgpu()
+    if snapshots or mgpu.decode_auto_barriers(layout, K, vt):
+        raise ValueError(f"the {kernel} kernel needs auto_barriers=True with snapshots, the WGMMA layout or the "
+                         f"colwarp layout's vt-32 form (got layout={layout}, vt={vt}, snapshots={snapshots})")
+
+
+def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False, layout=None, auto_barriers=True):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
     state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold).
-    layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`)."""
+    layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`).
+    auto_barriers: False drops Pallas's barriers around shared-memory stores (16 at T = 8: the
+    kernel's only stores are its output rows); colwarp at vt 64 without snapshots only. Opt-in,
+    not yet timed on the GPU."""
     plgpu, mgpu = _mgpu()
     N, T, HV, K = q.shape
     V = v.shape[-1]
     vt = min(vt, V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    if not auto_barriers:
+        _check_no_auto_barriers("verify", layout, K, vt, snapshots)
     WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
 
     def body(idx, q_ref, k_ref, v_ref, g_ref, b_ref, base_ref, reset_ref, pool_ref, o_ref, *rest):
@@ -250,19 +268,23 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False,
     i32 = lambda x: x.astype(jnp.int32)
     ins = (q, k, v, g, beta, i32(base), i32(reset))
     outs, _ = _launch(body, ins, pool3, out_types, (N, HV, V // vt), ("seq", "head", "vtile"), scratch,
-                      "kda_verify_mgpu")
+                      "kda_verify_mgpu", auto_barriers)
     return tuple(outs) if snapshots else outs[0]
 
 
-def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64, layout=None):
+def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64, layout=None, auto_barriers=True):
     """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout: as
-    `verify_mgpu`'s."""
+    `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores (each
+    thread stores only the state elements it loaded); colwarp at vt 64 only. Opt-in, not yet timed
+    on the GPU."""
     plgpu, mgpu = _mgpu()
     R, T, HV, K = k.shape
     V = v.shape[-1]
     vt = min(vt, V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    if not auto_barriers:
+        _check_no_auto_barriers("fold", layout, K, vt)
     WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
 
     def body(idx, k_ref, v_ref, g_ref, b_ref, base_ref, sbase_ref, nk_ref, sa_ref, pool_ref,
@@ -305,7 +327,8 @@ def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64, 
     ]
     i32 = lambda x: x.astype(jnp.int32)
     ins = (k, v, g, beta, i32(base), i32(snap_base), i32(n_keep), i32(snap_at))
-    _, pool3 = _launch(body, ins, pool3, [], (R, HV, V // vt), ("row", "head", "vtile"), scratch, "kda_fold_mgpu")
+    _, pool3 = _launch(body, ins, pool3, [], (R, HV, V // vt), ("row", "head", "vtile"), scratch, "kda_fold_mgpu",
+                       auto_barriers)
     return pool3
 
 
@@ -350,12 +373,13 @@ def fold(S0, cap, n_keep, snap_at=None, *, impl):
     return S if snap_at is None else (S, out[R * HV:].reshape(S0.shape))
 
 
-def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas"):
+def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=True):
     """The fold straight on the recurrent pool, in place: pool `[S, L, HV, K, V]` f32, slots
     `[N]`, cap `[N, L, T, HV, X]` (all L layers), n_keep `[N]`; with `snap_at` / `snap_dst` `[N]`
     the state after snap_at steps is written to slot snap_dst (where 0 < snap_at <= n_keep it is a
     real checkpoint; callers point the others at a sink slot). One launch, no gather or scatter:
-    under a jit that donates the pool only the touched rows are read and written. -> pool."""
+    under a jit that donates the pool only the touched rows are read and written. auto_barriers:
+    `fold_mgpu`'s (impl "pallas"). -> pool."""
     S_, L, HV, K, V = pool.shape
     N = slots.shape[0]
     T = cap.beta.shape[-2]
@@ -365,6 +389,6 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
         sbase, sa = jnp.full((N * L,), -1, jnp.int32), jnp.zeros((N * L,), jnp.int32)
     else:
         sbase, sa = _fold_rows(N, L, HV, snap_dst), rep(snap_at)
-    run = fold_portable if impl == "pallas_interpret" else fold_mgpu
+    run = fold_portable if impl == "pallas_interpret" else functools.partial(fold_mgpu, auto_barriers=auto_barriers)
     out = run(pool.reshape(S_ * L * HV, K, V), base, sbase, *_flat_capture(cap, N, L, T, HV), rep(n_keep), sa)
     return out.reshape(pool.shape)
