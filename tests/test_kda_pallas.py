@@ -244,6 +244,23 @@ def test_prep_kernel_in_interpret_mode(prep):
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
 
 
+@pytest.fixture
+def lowered_modules(monkeypatch):
+    """The text of every Mosaic GPU module lowered while the test runs (a hook on Mosaic GPU's serde
+    pass), in order: what `_export_cuda` produced, before LLVM."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    texts = []
+    serde = mgpu_core._run_serde_pass
+
+    def record(module, **kw):
+        texts.append(str(module))
+        return serde(module, **kw)
+
+    monkeypatch.setattr(mgpu_core, "_run_serde_pass", record)
+    return texts
+
+
 @pytest.mark.parametrize("vt,tiles,auto_barriers", [(64, 1, True), (32, 4, True), (64, 2, True), (64, None, True),
                                                      (64, 2, False), (32, 1, False)])
 def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
@@ -289,7 +306,7 @@ def test_decode_tiles_rule():
     assert mgpu.decode_auto_barriers(None, 128, 64) is False  # colwarp at vt 64
     assert mgpu.decode_auto_barriers(None, 128, 32) is True  # colwarp's replicated warps
     assert mgpu.decode_auto_barriers("wgmma", 128, 64) is True
-    # and 32-wide tiles while that grid fits (colwarp layout, automatic barriers), else 64
+    # and 32-wide tiles while that grid fits (colwarp layout), else 64
     assert mgpu.decode_vt(1, 12, 128) == 32  # 48 CTAs
     assert mgpu.decode_vt(33, 1, 128) == 32 and mgpu.decode_vt(34, 1, 128) == 64  # 132 / 136 CTAs
     assert mgpu.decode_vt(1, 96, 128) == 64
@@ -301,18 +318,13 @@ def _float_ops(module_text):
     return re.findall(r"= (arith\.(?:addf|subf|mulf|divf)|math\.\w+|nvvm\.shfl\.sync \w+)", module_text)
 
 
-def test_decode_vt32_steps_as_vt64(monkeypatch):
+def test_decode_vt32_steps_as_vt64(lowered_modules):
     """decode at vt 32 (the colwarp layout's replicated warps) lowers to the same float operations in
     the same order as at vt 64, so each column is reduced alike (the GPU test checks the bits);
     without the automatic barriers it keeps one per tile before the stores (its replicas share
     state elements), and vt 64 none."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
     from pallas_kernels.kda import mgpu
 
-    texts = []
-    serde = mgpu_core._run_serde_pass
-    monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (texts.append(str(module)),
-                                                                          serde(module, **kw))[1])
     sd = jax.ShapeDtypeStruct
     N, H, K, V = 1, 12, 128, 128
     f32 = jnp.float32
@@ -322,27 +334,17 @@ def test_decode_vt32_steps_as_vt64(monkeypatch):
     for vt, auto in itertools.product((32, 64), (True, False)):
         _export_cuda(functools.partial(mgpu.decode, layer=0, scale=K**-0.5, vt=vt, tiles=1, layout="colwarp",
                                        auto_barriers=auto), *args)
-        ops[vt, auto], bars[vt, auto] = _float_ops(texts[-1]), texts[-1].count("bar.sync")
+        ops[vt, auto], bars[vt, auto] = _float_ops(lowered_modules[-1]), lowered_modules[-1].count("bar.sync")
     assert len(ops[64, True]) > 100 and ops[32, True] == ops[64, True] == ops[32, False] == ops[64, False]
     assert bars[32, False] == bars[64, False] + 1 < bars[32, True], bars
 
 
-def test_decode_without_auto_barriers_drops_them(monkeypatch):
+def test_decode_without_auto_barriers_drops_them(lowered_modules):
     """`mgpu.decode(auto_barriers=False)` lowers with `unsafe_no_auto_barriers`: the Mosaic GPU
     module keeps only the barriers of commit_smem (one per tile) and the prologue, where Pallas
     otherwise puts a warpgroup barrier before and after every SMEM store."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
-
     from pallas_kernels.kda import mgpu
 
-    texts = []
-    serde = mgpu_core._run_serde_pass
-
-    def record(module, **kw):
-        texts.append(str(module))
-        return serde(module, **kw)
-
-    monkeypatch.setattr(mgpu_core, "_run_serde_pass", record)
     sd = jax.ShapeDtypeStruct
     N, H, HV, K, V = 4, 2, 4, 128, 128
     bf = jnp.bfloat16
@@ -351,7 +353,7 @@ def test_decode_without_auto_barriers_drops_them(monkeypatch):
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, vt=64, tiles=tiles, auto_barriers=auto)
         _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                      sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
-        count[tiles, auto] = texts[-1].count("bar.sync")
+        count[tiles, auto] = lowered_modules[-1].count("bar.sync")
     for tiles in (1, 2):
         assert count[tiles, False] <= tiles + 1 < count[tiles, True], count
 
@@ -469,17 +471,12 @@ def test_fold_pool_in_place_by_slot():
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-def test_spec_kernels_without_auto_barriers(monkeypatch):
+def test_spec_kernels_without_auto_barriers(lowered_modules):
     """verify (plain path) and fold with `auto_barriers=False` lower with fewer `bar.sync` (verify at
     T = 8 keeps only commit_smem's and the prologue's) and the same float operations; refused where
     threads share state elements or wait on another thread's TMA (snapshots, WGMMA, colwarp vt 32)."""
-    from jax.experimental.mosaic.gpu import core as mgpu_core
     from pallas_kernels.kda import spec_kernels as sk
 
-    texts = []
-    serde = mgpu_core._run_serde_pass
-    monkeypatch.setattr(mgpu_core, "_run_serde_pass", lambda module, **kw: (texts.append(str(module)),
-                                                                          serde(module, **kw))[1])
     sd = jax.ShapeDtypeStruct
     N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
     f = jnp.float32
@@ -494,7 +491,7 @@ def test_spec_kernels_without_auto_barriers(monkeypatch):
         ops, bars = {}, {}
         for auto in (True, False):
             _export_cuda(functools.partial(kernel, auto_barriers=auto), *args)
-            ops[auto], bars[auto] = _float_ops(texts[-1]), texts[-1].count("bar.sync")
+            ops[auto], bars[auto] = _float_ops(lowered_modules[-1]), lowered_modules[-1].count("bar.sync")
         assert ops[True] == ops[False] and bars[False] < bars[True], (kernel.__name__, bars)
         for bad in (dict(layout="wgmma"), dict(vt=32)):
             with pytest.raises(ValueError, match="auto_barriers=True"):

@@ -90,6 +90,13 @@ def _bf16_tiled(cols, max_swizzle=128):
 _LANE = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
+def lane_params(auto_barriers=True):
+    """The recurrent kernels' compiler params (decode here, verify and fold in spec_kernels.py):
+    Lane semantics, and with auto_barriers False Mosaic GPU's `unsafe_no_auto_barriers` (no
+    warpgroup barrier around each shared-memory store; commit_smem keeps its own)."""
+    return _LANE if auto_barriers else dataclasses.replace(_LANE, unsafe_no_auto_barriers=True)
+
+
 # approx_math (exp as a multiply + ex2.approx.ftz, as Triton's tl.exp): 1.36 -> 1.03 ms at 32k / 12 heads
 # (bench/kda_prep_ablation.py, run A4), outputs within 3e-5 of precise exp. Before the beta / row masks were
 # made lean (session 7) the same flag gave a wrong G (the in-chunk cumulative decay: w, qg, gl) whenever
@@ -287,8 +294,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     f32 = jnp.float32
     pool3 = pool.reshape(S_ * L * HV, K, V)
     span = vt * tiles  # the V columns of one CTA
-    # without the barriers Pallas puts around every SMEM store; commit_smem keeps its own
-    params = _LANE if auto_barriers else dataclasses.replace(_LANE, unsafe_no_auto_barriers=True)
+    params = lane_params(auto_barriers)
     TL, RL, CL, step_layout = step_layouts(layout, K, vt)
     # colwarp's vt-32 form: two warps replicate two others and load and store the same state elements, so
     # without the automatic barriers one barrier must hold every store until all replicas have loaded

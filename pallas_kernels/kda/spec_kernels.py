@@ -32,7 +32,6 @@ Implementations:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -164,7 +163,7 @@ def _launch(body, ins, pool3, out_types, grid, names, scratch, name, auto_barrie
     in place (read-only use is fine too); auto_barriers False: without Pallas's barriers around
     shared-memory stores (`mgpu.decode`'s `auto_barriers`). -> (outs list, pool3)."""
     plgpu, mgpu = _mgpu()
-    params = mgpu._LANE if auto_barriers else dataclasses.replace(mgpu._LANE, unsafe_no_auto_barriers=True)
+    params = mgpu.lane_params(auto_barriers)
     n_in = len(ins)
     if mgpu.default_decode_api() == "pallas_call":  # JAX <= 0.10
         def kernel(*refs):
