@@ -93,7 +93,7 @@ def prep_breakdown(jin, B, T, H, R):
     return out
 
 
-def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=False):
+def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, forms=()):
     """One KDA layer's speculative block of T = gamma + 1 tokens for N sequences, on a pool of slot
     sets (so the states stream from HBM), three ways, each R steps inside one jit:
     - fold: Mosaic GPU verify (reads the committed state, writes o; the capture is the f32 inputs)
@@ -102,8 +102,10 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=Fals
       scratch), then the commit (XLA: gather the n_keep-th snapshot, scatter it into the pool);
     - xla: the jnp references (`spec.kda_verify` + `spec.kda_fold` on gathered states, scatter back).
     ours_ms = fold; bandwidth_frac = the fold path's state bytes (3 x K x V x 4 per head: verify
-    read, fold read + write) over its time, against the copy bandwidth. no_auto_barriers: also the
-    fold path and its two kernels with `auto_barriers=False` (`*_nab_ms`; session 11, opt-in)."""
+    read, fold read + write) over its time, against the copy bandwidth. forms: (suffix, options of
+    `verify_mgpu` and `fold_pool`) also timed on the fold path and its two kernels: `fold<sfx>_ms`,
+    `verify_only<sfx>_ms`, `fold_only<sfx>_ms` (`verify_forms`: without the automatic barriers, other
+    state tile layouts)."""
     from pallas_kernels.kda import spec_kernels as sk
     from pallas_kernels.kda.ref import _prep
     from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify, replay_bytes, snapshot_bytes
@@ -118,14 +120,12 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=Fals
     n_keep = jax.random.randint(jax.random.key(1), (N,), 0, T + 1).astype(jnp.int32)
     zeros = jnp.zeros((N,), jnp.int32)
 
-    def fold_step(pool, i, ab=True):
+    def fold_step(pool, i, **kw):
         sl = slot_sets[i % sets]
         qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, None)
-        o = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros, auto_barriers=ab)
+        o = sk.verify_mgpu(qf, kf, vf, gf, bf, pool.reshape(-1, K, V), sl * H, zeros, **kw)
         cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
-        return o, sk.fold_pool(pool, sl, cap, n_keep, auto_barriers=ab)
-
-    fold_nab = functools.partial(fold_step, ab=False)
+        return o, sk.fold_pool(pool, sl, cap, n_keep, **kw)
 
     def snap_step(pool, i):
         sl = slot_sets[i % sets]
@@ -147,7 +147,9 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=Fals
     pool0 = jax.random.normal(jax.random.key(0), (NS, 1, H, K, V), jnp.float32) * 0.01
     # correctness of the two kernel paths against the XLA path, one step from the same pool
     ref_o, ref_p = jax.jit(lambda p: xla_step(p, 0))(pool0)
-    paths = [("fold", fold_step), ("snapshots", snap_step)] + ([("fold_nab", fold_nab)] if no_auto_barriers else [])
+    forms = [("", {})] + list(forms)
+    paths = [("fold", fold_step), ("snapshots", snap_step)] + [
+        ("fold" + sfx, functools.partial(fold_step, **kw)) for sfx, kw in forms[1:]]
     for name, f in paths:
         o, p = jax.jit(lambda p: f(p, 0))(pool0)
         out[f"rel_err_o_{name}_vs_xla"] = rel(o, ref_o)
@@ -169,17 +171,17 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=Fals
 
         times[name] = jax_ms(run)
         box = None
-    # the two kernels of the fold path alone (and without the automatic barriers)
+    # the two kernels of the fold path alone (and in the other forms)
     qf, kf, vf, gf, bf = jax.jit(lambda: _prep(q, k, v, g, beta, None))()
     cap = Capture(*(x[:, None] for x in (kf, vf, gf, bf)))
-    for sfx, ab in [("", True)] + ([("_nab", False)] if no_auto_barriers else []):
-        ver = jax.jit(lambda p, ab=ab: [sk.verify_mgpu(qf, kf, vf, gf, bf, p.reshape(-1, K, V), slot_sets[i % sets] * H,
-                                                       zeros, auto_barriers=ab) for i in range(R)])
+    for sfx, kw in forms:
+        ver = jax.jit(lambda p, kw=kw: [sk.verify_mgpu(qf, kf, vf, gf, bf, p.reshape(-1, K, V), slot_sets[i % sets] * H,
+                                                       zeros, **kw) for i in range(R)])
         times["verify_only" + sfx] = jax_ms(lambda: (ver(pool0), R))
 
-        def folds(pool, ab=ab):
+        def folds(pool, kw=kw):
             for i in range(R):
-                pool = sk.fold_pool(pool, slot_sets[i % sets], cap, n_keep, auto_barriers=ab)
+                pool = sk.fold_pool(pool, slot_sets[i % sets], cap, n_keep, **kw)
             return pool
 
         folds = jax.jit(folds, donate_argnums=0)
@@ -194,10 +196,23 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, no_auto_barriers=Fals
     out.update(ours_ms=times["fold"], fla_ms=None, bandwidth_frac=state_bytes / (times["fold"] * 1e-3) / 1e9 / copy_gbps,
                snapshots_ms=times["snapshots"], xla_ms=times["xla"], verify_only_ms=times["verify_only"],
                fold_only_ms=times["fold_only"], speedup_vs_snapshots=times["snapshots"] / times["fold"])
-    if no_auto_barriers:
-        out.update(fold_nab_ms=times["fold_nab"], verify_only_nab_ms=times["verify_only_nab"],
-                   fold_only_nab_ms=times["fold_only_nab"])
+    for sfx, kw in forms[1:]:
+        out.update({f"{t}{sfx}_ms": times[t + sfx] for t in ("fold", "verify_only", "fold_only")})
+        out[f"form{sfx}"] = kw
     return out
+
+
+def verify_forms(no_auto_barriers=False, layouts=()):
+    """bench_verify_fold's extra forms: `_nab` (no automatic barriers, the default layout and V tile;
+    session 11) and `_<layout>` per layout (its default V tile, `mgpu.step_vt`; without the automatic
+    barriers where `mgpu.decode_auto_barriers` drops them at that tile, as decode does)."""
+    from pallas_kernels.kda import mgpu
+
+    forms = [("_nab", {"auto_barriers": False})] if no_auto_barriers else []
+    for lay in layouts:
+        ab = mgpu.decode_auto_barriers(lay, 128, mgpu.step_vt(lay, 128))
+        forms.append((f"_{lay}", {"layout": lay, "auto_barriers": ab}))
+    return forms
 
 
 # decode kernel variants the bench can time next to the default (since session 9: vt 64, two tiles per
@@ -231,6 +246,11 @@ DECODE_VARIANTS = {
     "no_auto_barriers": {"vt": 64, "auto_barriers": False, "tiles": 2},
     "no_auto_barriers_tiles1": {"vt": 64, "auto_barriers": False, "tiles": 1},
     "colwarp_tiles2_ro": _CW | {"tiles": 2, "read_only_wait": True},
+    # the colwarp8 layout (8 columns a warp, vt 32, no replicas, no automatic barriers; session 12, not
+    # timed): what decode would run at every batch with STEP_LAYOUT = "colwarp8"
+    "colwarp8": {"layout": "colwarp8", "vt": 32},
+    "colwarp8_tiles2": {"layout": "colwarp8", "vt": 32, "tiles": 2},
+    "colwarp8_tiles4": {"layout": "colwarp8", "vt": 32, "tiles": 4},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
@@ -268,6 +288,10 @@ def main(argv=None):
     ap.add_argument("--verify-no-auto-barriers", action="store_true",
                     help="verify_fold rows also time the verify and fold kernels without Pallas's automatic "
                          "barriers (auto_barriers=False; fold_nab_ms, verify_only_nab_ms, fold_only_nab_ms)")
+    ap.add_argument("--verify-layouts", nargs="*", default=[], choices=["wgmma", "colwarp", "colwarp8"],
+                    help="verify_fold rows also time the verify and fold kernels with these state tile layouts "
+                         "(at the layout's V tile, mgpu.step_vt; fold_<layout>_ms, verify_only_<layout>_ms, "
+                         "fold_only_<layout>_ms); colwarp8 (vt 32) is what STEP_LAYOUT = 'colwarp8' would run")
     args = ap.parse_args(argv)
 
     import torch
@@ -354,8 +378,7 @@ def main(argv=None):
                 kw = dict(api=None, vt=None, tiles=None, xla_casts=True) | opts
                 vt = min(kw["vt"] or mgpu.decode_vt(N, H, 128, kw.get("layout")), 128)
                 # the colwarp layout's vt-32 form replicates two warps since session 11 (rows before: 16 row lanes)
-                lay = ("wgmma" if mgpu.step_layouts(kw.get("layout"), 128, vt)[3] is None
-                       else "colwarp" if vt == 64 else "colwarp_replicated")
+                lay = mgpu.layout_label(kw.get("layout"), 128, vt)
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": vt,
                                    "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, vt), "layout": lay,
@@ -433,7 +456,7 @@ def main(argv=None):
         row = {"op": "verify_fold", "shape": {"batch": N, "heads": H, "gamma": args.gamma, "layers": 1, "K": 128, "V": 128}}
         try:
             row.update(bench_verify_fold(inputs, N, H, args.gamma, copy_gbps,
-                                         no_auto_barriers=args.verify_no_auto_barriers))
+                                         forms=verify_forms(args.verify_no_auto_barriers, args.verify_layouts)))
         except Exception as e:
             row["error"] = repr(e)[:600]
             traceback.print_exc()
@@ -516,6 +539,9 @@ def main(argv=None):
                   f"{r['snapshots_ms']:.4f} ms, xla {r['xla_ms']:.4f} ms (verify {r['verify_only_ms']:.4f} + fold "
                   f"{r['fold_only_ms']:.4f}); scratch {r['scratch_bytes_fold'] / 2**20:.1f} vs "
                   f"{r['scratch_bytes_snapshots'] / 2**20:.1f} MiB; err {r['rel_err_state_fold_vs_xla']:.2e}")
+            for sfx in (key[4:] for key in r if key.startswith("form_")):
+                print(f"  {sfx[1:]} {r[f'form{sfx}']}: fold {r[f'fold{sfx}_ms']:.4f} ms (verify "
+                      f"{r[f'verify_only{sfx}_ms']:.4f} + fold {r[f'fold_only{sfx}_ms']:.4f})")
         if r["op"] == "prefill" and "prep_ms" in r:
             sh = r["shape"]
             g = lambda k: "-" if r.get(k) is None else f"{r[k]:.3f}"

@@ -311,6 +311,16 @@ def test_decode_tiles_rule():
     assert mgpu.decode_vt(33, 1, 128) == 32 and mgpu.decode_vt(34, 1, 128) == 64  # 132 / 136 CTAs
     assert mgpu.decode_vt(1, 96, 128) == 64
     assert mgpu.decode_vt(1, 12, 128, layout="wgmma") == 64
+    # "colwarp8" runs vt 32 at every grid, in all three recurrent kernels, with no replicas to wait for
+    assert mgpu.decode_vt(1024, 96, 128, layout="colwarp8") == 32
+    assert mgpu.step_vt("colwarp8", 128) == 32 and mgpu.step_vt(None, 128) == 64 and mgpu.step_vt(None, 32) == 32
+    assert mgpu.decode_auto_barriers("colwarp8", 128, 32) is False
+    assert [mgpu.layout_label(lay, 128, vt) for lay, vt in ((None, 32), (None, 64), (None, 128), ("colwarp8", 32))] == [
+        "colwarp_replicated", "colwarp", "wgmma", "colwarp8"]
+    with pytest.raises(NotImplementedError, match="colwarp8 layout needs vt in"):
+        mgpu.step_layouts("colwarp8", 128, 64)
+    with pytest.raises(ValueError, match="unknown state tile layout"):
+        mgpu.step_layouts("colwarp4", 128, 64)
 
 
 def _float_ops(module_text):
@@ -337,6 +347,28 @@ def test_decode_vt32_steps_as_vt64(lowered_modules):
         ops[vt, auto], bars[vt, auto] = _float_ops(lowered_modules[-1]), lowered_modules[-1].count("bar.sync")
     assert len(ops[64, True]) > 100 and ops[32, True] == ops[64, True] == ops[32, False] == ops[64, False]
     assert bars[32, False] == bars[64, False] + 1 < bars[32, True], bars
+
+
+@pytest.mark.parametrize("layout", ["colwarp", "colwarp8"])
+def test_verify_steps_as_decode(layout, lowered_modules):
+    """The verify kernel's float arithmetic and reduction shuffles are the decode kernel's, T times
+    over, in each colwarp layout at its default V tile (what lets verify + fold reproduce decode bit for
+    bit: tests/gpu checks the bits). The scalar broadcasts (shuffle idx) differ and are left out."""
+    from pallas_kernels.kda import mgpu
+    from pallas_kernels.kda import spec_kernels as sk
+
+    sd = jax.ShapeDtypeStruct
+    N, T, H, K, V = 2, 8, 4, 128, 128
+    f32 = jnp.float32
+    arith = lambda text: [op for op in _float_ops(text) if op != "nvvm.shfl.sync idx"]
+    _export_cuda(functools.partial(mgpu.decode, layer=0, scale=1.0, tiles=1, layout=layout, vt=mgpu.step_vt(layout, V)),
+                 sd((N, H, K), f32), sd((N, H, K), f32), sd((N, H, V), f32), sd((N, H, K), f32), sd((N, H), f32),
+                 sd((N, 1, H, K, V), f32), sd((N,), jnp.int32), sd((N,), bool))
+    dec = arith(lowered_modules[-1])
+    vec = lambda X: sd((N, T, H, X), f32)
+    _export_cuda(functools.partial(sk.verify_mgpu, layout=layout, auto_barriers=False), vec(K), vec(K), vec(V), vec(K),
+                 sd((N, T, H), f32), sd((N * H, K, V), f32), sd((N,), jnp.int32), sd((N,), jnp.int32))
+    assert len(dec) > 100 and arith(lowered_modules[-1]) == dec * T
 
 
 def test_decode_without_auto_barriers_drops_them(lowered_modules):
@@ -374,12 +406,14 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     bf = jnp.bfloat16
     apis = ["scatter", mgpu.default_decode_api()]  # JAX 0.11: "ref" (no pl.pallas_call for Mosaic GPU)
     # one 64-wide V tile per CTA, and two or four tiles per CTA on their own barriers; the WGMMA and
-    # the colwarp register layout (K reductions inside a warp; at vt 32 two warps replicate the other two);
+    # the colwarp register layout (K reductions inside a warp; at vt 32 two warps replicate the other two)
+    # and its 8-columns-a-warp form colwarp8 (vt 32);
     # the defaults (None: here one tile of 32,
     # `mgpu.STEP_LAYOUT`), and vt 128, where the default layout falls back to WGMMA
     for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
                                 + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp"),
-                                   (apis[-1], 32, 1, "colwarp"), (apis[-1], None, None, None), (apis[-1], 128, 1, None)]):
+                                   (apis[-1], 32, 1, "colwarp"), (apis[-1], 32, 2, "colwarp8"),
+                                   (apis[-1], None, None, None), (apis[-1], 128, 1, None)]):
         dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
@@ -507,15 +541,17 @@ def test_spec_mosaic_gpu_kernels_lower_for_cuda():
     N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
     f = jnp.float32
     vec = lambda X: sd((N, T, HV, X), f)
-    for snaps, layout in ((False, None), (True, None), (False, "colwarp")):
-        ver = functools.partial(sk.verify_mgpu, snapshots=snaps, layout=layout)
+    for snaps, layout, ab in ((False, None, True), (True, None, True), (False, "colwarp", True),
+                              (False, "colwarp8", False), (True, "colwarp8", True)):
+        ver = functools.partial(sk.verify_mgpu, snapshots=snaps, layout=layout, auto_barriers=ab)
         e = _export_cuda(ver, vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f),
                          sd((N,), jnp.int32), sd((N,), jnp.int32))
         assert "mosaic_gpu" in e.mlir_module()
     R = N * L
     cv = lambda X: sd((R, T, HV, X), f)
     i = sd((R,), jnp.int32)
-    for layout in (None, "colwarp"):  # the state tile's register layout (mgpu.step_layouts)
-        fold = functools.partial(sk.fold_mgpu, layout=layout)
+    # the state tile's register layout (mgpu.step_layouts); colwarp8 at vt 32 without the automatic barriers
+    for layout, ab in ((None, True), ("colwarp", True), ("colwarp8", False)):
+        fold = functools.partial(sk.fold_mgpu, layout=layout, auto_barriers=ab)
         e = _export_cuda(fold, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
         assert "mosaic_gpu" in e.mlir_module()

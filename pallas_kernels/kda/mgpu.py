@@ -140,34 +140,50 @@ def step_tile(S, qv, kv, gv, vv, bt, layout=None):
     return o, S
 
 
-def _colwarp_fits(K, vt):
-    """Whether `_colwarp_layout` takes a [K, vt] tile: vt 32 or 64, and K a multiple of the 8 lanes
-    along the rows."""
-    return vt in (32, 64) and K % 8 == 0
+# The colwarp layouts: columns a warp (its lanes 4 chunks of columns x 8 rows; a thread holds one chunk of
+# columns, a quarter of these, for K / 8 rows) -> the V tile widths it takes. "colwarp": 16 columns a warp
+# in 4-column vectors, vt 64 (four warps) or 32 (two, replicated); "colwarp8": 8 columns a warp in
+# 2-column vectors, vt 32 only (four warps, none replicated).
+_COLWARP = {"colwarp": (16, (32, 64)), "colwarp8": (8, (32,))}
 
 
-def _colwarp_layout(K, vt):
-    """A register layout for a [K, vt] f32 state tile (vt 32 or 64) in which each warp holds 16
-    columns: its lanes are 4 chunks of 4 adjacent columns x 8 rows, and each thread holds 4 adjacent
-    columns of K / 8 rows (rows lane, lane + 8, ...). The decode step's two reductions over K stay
-    inside a warp (K / 8 in-thread sums and 3 shuffle rounds), where the WGMMA layout spreads K over the
-    warps and reduces through shared memory. The lanes run over rows fastest, so a quarter-warp's
-    16-byte loads hit 8 distinct chunks of the 128-byte swizzle (the other order fails Mosaic's
-    bank-conflict planner, and so does vt = 128, where a quarter-warp spans only 4 rows).
+def _colwarp_fits(K, vt, layout="colwarp"):
+    """Whether `_colwarp_layout(K, vt, layout)` takes a [K, vt] tile: a width of that layout (see
+    `_COLWARP`) and K a multiple of the 8 lanes along the rows."""
+    return vt in _COLWARP[layout][1] and K % 8 == 0
 
-    At vt = 64 the four warps split the columns. At vt = 32 two warps split them and the other two
-    replicate them (`Replicated` warps: both copies compute and store the same values), so every
-    column is reduced by the same instructions in the same order at either width, and decode at vt 32
-    is bit-identical to verify + fold at vt 64 (tests/gpu). Session 9's vt-32 form (16 row lanes, 8
-    rows a thread) reduced differently and was not. The replicas load and store the same shared
-    memory: their stores must wait for both to have loaded (Pallas's automatic barriers, or decode's
-    one barrier without them)."""
+
+def _colwarp_layout(K, vt, layout="colwarp"):
+    """A register layout for a [K, vt] f32 state tile in which each warp holds `_COLWARP[layout]`
+    adjacent columns (16 for "colwarp", 8 for "colwarp8"): its lanes are 4 chunks of adjacent columns
+    x 8 rows, and each thread holds one chunk (4 or 2 columns) of K / 8 rows (rows lane, lane + 8,
+    ...). The decode step's two reductions over K stay inside a warp (K / 8 in-thread sums and 3
+    shuffle rounds), where the WGMMA layout spreads K over the warps and reduces through shared
+    memory. The lanes run over rows fastest, so a quarter-warp's loads hit 8 distinct chunks of the
+    128-byte swizzle (the other order fails Mosaic's bank-conflict planner, and so does vt = 128,
+    where a quarter-warp spans only 4 rows).
+
+    "colwarp" at vt = 64: the four warps split the columns. At vt = 32 two warps split them and the
+    other two replicate them (`Replicated` warps: both copies compute and store the same values), so
+    every column is reduced by the same instructions in the same order at either width, and decode at
+    vt 32 is bit-identical to verify + fold at vt 64 (tests/gpu). Session 9's vt-32 form (16 row
+    lanes, 8 rows a thread) reduced differently and was not. The replicas load and store the same
+    shared memory: their stores must wait for both to have loaded (Pallas's automatic barriers, or
+    decode's one barrier without them).
+
+    "colwarp8" (vt 32 only): half the columns a thread and a warp, no replicas. Each column's sum has
+    the association of "colwarp"'s, but a thread's instructions differ, and on the H200 the backend
+    then rounds differently (session 11, run D22: 68% of decode's outputs differed from "colwarp" verify
+    + fold by an ulp): it is bit-identical only to kernels that run it too, so it is a setting of
+    `STEP_LAYOUT` (decode, verify and fold at vt 32), not a decode-only width."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    if not _colwarp_fits(K, vt):
-        raise NotImplementedError(f"the colwarp layout needs vt 32 or 64 and K % 8 == 0 (K={K}, vt={vt})")
-    tiling = fa.Tiling(((K, vt), (K, 16), (8, 16), (4,)))
-    warps = (-6,) if vt == 64 else (-6, fa.Replicated(2))
+    if layout not in _COLWARP or not _colwarp_fits(K, vt, layout):
+        widths = _COLWARP.get(layout, (0, ()))[1]
+        raise NotImplementedError(f"the {layout} layout needs vt in {widths} and K % 8 == 0 (K={K}, vt={vt})")
+    cols = _COLWARP[layout][0]
+    tiling = fa.Tiling(((K, vt), (K, cols), (8, cols), (cols // 4,)))
+    warps = (-6,) if vt == 4 * cols else (-6, fa.Replicated(2))
     return plgpu.Layout.TILED(tiling, warp_dims=warps, lane_dims=(-2, -3), vector_dim=-1)
 
 
@@ -175,22 +191,45 @@ def _colwarp_layout(K, vt):
 # spec_kernels.py). One setting for all three: verify + fold reproduce decode bit for bit only when
 # their reductions run in the same layout.
 # "colwarp" since session 9: as fast as or faster than "wgmma" in decode at every shape measured
-# (bench/NOTES.md, runs D12-D14).
+# (bench/NOTES.md, runs D12-D14). "colwarp8" (vt 32 in all three kernels): session 12, not yet timed
+# at batch > 1 nor in verify + fold.
 STEP_LAYOUT = "colwarp"
 
 
-def step_layouts(layout, K, vt):
-    """layout ("wgmma", "colwarp" or None for STEP_LAYOUT) -> (tile, [K] row vector and [vt] column
-    vector register layouts, and `step_tile`'s layout argument). With layout None, a tile the
-    colwarp layout cannot take (vt 128) gets the WGMMA layout, in every kernel alike."""
+def step_layout_name(layout, K, vt):
+    """layout ("wgmma", "colwarp", "colwarp8" or None for `STEP_LAYOUT`) -> the layout a [K, vt] state
+    tile gets: with layout None, a tile the setting's colwarp form cannot take (vt 128) gets "wgmma",
+    in every kernel alike."""
     if layout is None:
-        layout = "wgmma" if STEP_LAYOUT == "colwarp" and not _colwarp_fits(K, vt) else STEP_LAYOUT
-    if layout == "wgmma":
+        layout = STEP_LAYOUT
+        if layout in _COLWARP and not _colwarp_fits(K, vt, layout):
+            return "wgmma"
+    if layout != "wgmma" and layout not in _COLWARP:
+        raise ValueError(f"unknown state tile layout {layout!r}")
+    return layout
+
+
+def layout_label(layout, K, vt):
+    """What a bench row records: `step_layout_name`, with "colwarp"'s replicated vt-32 form as
+    "colwarp_replicated"."""
+    name = step_layout_name(layout, K, vt)
+    return name + "_replicated" if name == "colwarp" and vt < 64 else name
+
+
+def step_layouts(layout, K, vt):
+    """layout (as `step_layout_name`) -> (tile, [K] row vector and [vt] column vector register
+    layouts, and `step_tile`'s layout argument)."""
+    name = step_layout_name(layout, K, vt)
+    if name == "wgmma":
         return WGMMA, ROW, COL, None
-    if layout == "colwarp":
-        tl = _colwarp_layout(K, vt)
-        return tl, tl.reduce(1), tl.reduce(0), tl
-    raise ValueError(f"unknown state tile layout {layout!r}")
+    tl = _colwarp_layout(K, vt, name)
+    return tl, tl.reduce(1), tl.reduce(0), tl
+
+
+def step_vt(layout, V):
+    """The verify and fold kernels' V tile when not given: 32 for "colwarp8" (its only width), else 64
+    (never more than V)."""
+    return min(32 if (layout or STEP_LAYOUT) == "colwarp8" else 64, V)
 
 
 # SMs of an H100 / H200: a grid of fewer CTAs leaves SMs idle (decode's tiles, the inter kernel's vt)
@@ -198,24 +237,27 @@ _SMS = 132
 
 
 def decode_vt(N, HV, V, layout=None):
-    """decode's V tile width when not given: 32 while the 32-wide one-tile grid (N x HV x V / 32
-    CTAs) fits in one CTA per SM and the state tiles take the colwarp layout (whose vt-32 form steps
-    every column as vt 64 does, bit for bit), else 64. Twice the
-    CTAs for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24
-    of 32 KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
-    if (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
+    """decode's V tile width when not given: 32 in the "colwarp8" layout (its only width); in
+    "colwarp", 32 while the 32-wide one-tile grid (N x HV x V / 32 CTAs) fits in one CTA per SM (its
+    vt-32 form steps every column as vt 64 does, bit for bit), else 64; 64 in "wgmma". Twice the CTAs
+    for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24 of 32
+    KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
+    name = layout or STEP_LAYOUT
+    if name == "colwarp8" and V % 32 == 0:
+        return 32
+    if name == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
         return 32
     return 64
 
 
 def decode_auto_barriers(layout, K, vt):
     """decode's `auto_barriers` when not given: False (no automatic barriers around its shared-memory
-    stores) for the colwarp layout at vt 64, where each thread stores only the state elements it
-    loaded; True for the colwarp layout's vt-32 form (two warps replicate two others and share their
+    stores) where each thread stores only the state elements it loaded: "colwarp" at vt 64 and
+    "colwarp8". True for "colwarp"'s vt-32 form (two warps replicate two others and share their
     elements: without the automatic barriers decode adds the one barrier they need, not yet timed)
     and for the WGMMA layout (its reductions over K cross warps). On the H200 the barriers cost ~1%
     at batch >= 64 with one tile per CTA (bench/NOTES.md, session 11)."""
-    return step_layouts(layout, K, vt)[3] is None or vt < 64
+    return layout_label(layout, K, vt) in ("wgmma", "colwarp_replicated")
 
 
 def decode_tiles(N, HV, V, vt=64):
@@ -259,10 +301,11 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     writes have landed (as CUTLASS epilogues do; the grid's writes are complete when the kernel is).
 
     layout: the state tile's register layout (None: `STEP_LAYOUT`, "colwarp", which the verify and
-    fold kernels use too, so their bitwise match with decode holds): "wgmma" or "colwarp"
+    fold kernels use too, so their bitwise match with decode holds): "wgmma", "colwarp"
     (`_colwarp_layout`: K reductions inside a warp; 127 registers against the WGMMA layout's 162,
     and 0.105 ms at 256 x 12 heads on the H200 with tiles=2, 0.90 of copy bandwidth, against
-    0.108).
+    0.108) or "colwarp8" (8 columns a warp, vt 32 only; bit-identical to verify + fold only when
+    they run it too, i.e. with `STEP_LAYOUT = "colwarp8"`; not yet timed at batch > 1).
 
     auto_barriers: None (the default): `decode_auto_barriers` (False for the colwarp layout at vt 64).
     False compiles with `unsafe_no_auto_barriers`, dropping the warpgroup barriers
@@ -298,7 +341,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     TL, RL, CL, step_layout = step_layouts(layout, K, vt)
     # colwarp's vt-32 form: two warps replicate two others and load and store the same state elements, so
     # without the automatic barriers one barrier must hold every store until all replicas have loaded
-    replica_barrier = not auto_barriers and step_layout is not None and vt < 64
+    replica_barrier = not auto_barriers and layout_label(layout, K, vt) == "colwarp_replicated"
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G

@@ -22,7 +22,8 @@ Implementations:
 - portable (`pl.pallas_call`, no backend-specific primitives; `interpret=True` on CPU): it calls
   `ref._step` itself on the [K, V] state of one head;
 - Mosaic GPU (`plgpu`, sm_90, Lane semantics like the decode kernel in `mgpu.py`): one CTA (128
-  threads) per V tile; the [K, vt] state tile lives in registers in the WGMMA layout, the T steps'
+  threads) per V tile; the [K, vt] state tile lives in registers in the layout `mgpu.STEP_LAYOUT`
+  names (the decode kernel's; vt 64, or 32 in "colwarp8"), the T steps'
   vectors are TMA-loaded once into shared memory, beta is read from global memory as a scalar.
   Every step is `mgpu.step_tile`, the decode kernel's own step, so verify + fold give the decode
   kernel's outputs and states bit for bit.
@@ -194,25 +195,26 @@ def _launch(body, ins, pool3, out_types, grid, names, scratch, name, auto_barrie
 
 def _check_no_auto_barriers(kernel, layout, K, vt, snapshots=False):
     """auto_barriers=False is safe where each thread stores only what it loaded (or writes what no
-    one reads back): the colwarp layout at vt 64 (where `mgpu.decode_auto_barriers` drops them),
-    and not verify's snapshot ring, whose slot reuse waits on one thread's TMA wait."""
+    one reads back): "colwarp" at vt 64 and "colwarp8" (where `mgpu.decode_auto_barriers` drops
+    them), and not verify's snapshot ring, whose slot reuse waits on one thread's TMA wait."""
     _, mgpu = _mgpu()
     if snapshots or mgpu.decode_auto_barriers(layout, K, vt):
         raise ValueError(f"the {kernel} kernel needs auto_barriers=True with snapshots, the WGMMA layout or the "
-                         f"colwarp layout's vt-32 form (got layout={layout}, vt={vt}, snapshots={snapshots})")
+                         f"colwarp layout's replicated vt-32 form (got layout={layout}, vt={vt}, snapshots={snapshots})")
 
 
-def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False, layout=None, auto_barriers=True):
+def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=False, layout=None, auto_barriers=True):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
     state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold).
     layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`).
+    vt: the V tile (None: `mgpu.step_vt`, 64, or 32 in "colwarp8").
     auto_barriers: False drops Pallas's barriers around shared-memory stores (16 at T = 8: the
-    kernel's only stores are its output rows); colwarp at vt 64 without snapshots only. Opt-in,
-    not yet timed on the GPU."""
+    kernel's only stores are its output rows); "colwarp" at vt 64 or "colwarp8", without
+    snapshots. Opt-in, not yet timed on the GPU."""
     plgpu, mgpu = _mgpu()
     N, T, HV, K = q.shape
     V = v.shape[-1]
-    vt = min(vt, V)
+    vt = min(vt or mgpu.step_vt(layout, V), V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
     if not auto_barriers:
@@ -271,15 +273,15 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=64, snapshots=False,
     return tuple(outs) if snapshots else outs[0]
 
 
-def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=64, layout=None, auto_barriers=True):
-    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout: as
-    `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores (each
-    thread stores only the state elements it loaded); colwarp at vt 64 only. Opt-in, not yet timed
-    on the GPU."""
+def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None, layout=None, auto_barriers=True):
+    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout and vt:
+    as `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores
+    (each thread stores only the state elements it loaded); "colwarp" at vt 64 or "colwarp8".
+    Opt-in, not yet timed on the GPU."""
     plgpu, mgpu = _mgpu()
     R, T, HV, K = k.shape
     V = v.shape[-1]
-    vt = min(vt, V)
+    vt = min(vt or mgpu.step_vt(layout, V), V)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
     if not auto_barriers:
@@ -372,13 +374,14 @@ def fold(S0, cap, n_keep, snap_at=None, *, impl):
     return S if snap_at is None else (S, out[R * HV:].reshape(S0.shape))
 
 
-def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=True):
+def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=True,
+              layout=None):
     """The fold straight on the recurrent pool, in place: pool `[S, L, HV, K, V]` f32, slots
     `[N]`, cap `[N, L, T, HV, X]` (all L layers), n_keep `[N]`; with `snap_at` / `snap_dst` `[N]`
     the state after snap_at steps is written to slot snap_dst (where 0 < snap_at <= n_keep it is a
     real checkpoint; callers point the others at a sink slot). One launch, no gather or scatter:
-    under a jit that donates the pool only the touched rows are read and written. auto_barriers:
-    `fold_mgpu`'s (impl "pallas"). -> pool."""
+    under a jit that donates the pool only the touched rows are read and written. auto_barriers,
+    layout: `fold_mgpu`'s (impl "pallas"). -> pool."""
     S_, L, HV, K, V = pool.shape
     N = slots.shape[0]
     T = cap.beta.shape[-2]
@@ -388,6 +391,7 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
         sbase, sa = jnp.full((N * L,), -1, jnp.int32), jnp.zeros((N * L,), jnp.int32)
     else:
         sbase, sa = _fold_rows(N, L, HV, snap_dst), rep(snap_at)
-    run = fold_portable if impl == "pallas_interpret" else functools.partial(fold_mgpu, auto_barriers=auto_barriers)
+    run = (fold_portable if impl == "pallas_interpret"
+           else functools.partial(fold_mgpu, auto_barriers=auto_barriers, layout=layout))
     out = run(pool.reshape(S_ * L * HV, K, V), base, sbase, *_flat_capture(cap, N, L, T, HV), rep(n_keep), sa)
     return out.reshape(pool.shape)

@@ -53,7 +53,10 @@ _OPTS = [dict(vt=64, tiles=2, layout="wgmma"), dict(vt=64, tiles=1, layout="wgmm
          # without Pallas's automatic barriers around SMEM stores (the default at vt 64 since session 11)
          dict(vt=64, tiles=1, auto_barriers=False), dict(vt=64, tiles=2, auto_barriers=False),
          # the vt-32 form with one barrier per tile instead (session 11: not yet run on the GPU)
-         dict(vt=32, tiles=1, auto_barriers=False), dict(vt=32, tiles=2, auto_barriers=False)]
+         dict(vt=32, tiles=1, auto_barriers=False), dict(vt=32, tiles=2, auto_barriers=False),
+         # the colwarp8 layout (8 columns a warp, vt 32; session 12: not yet run on the GPU)
+         dict(vt=32, tiles=1, layout="colwarp8"), dict(vt=32, tiles=2, layout="colwarp8"),
+         dict(vt=32, tiles=4, layout="colwarp8", auto_barriers=True)]
 
 
 @pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (1, 96, 96, _DEFAULT), (256, 12, 12, _DEFAULT),
@@ -204,10 +207,12 @@ def test_verify_and_fold(N, H, HV):
     np.testing.assert_array_equal(new[untouched], pool_np[untouched])
 
 
-def test_verify_fold_without_auto_barriers():
+@pytest.mark.parametrize("layout", [None, "colwarp8"])
+def test_verify_fold_without_auto_barriers(layout):
     """verify (plain path) and the in-place fold with `auto_barriers=False` (session 11: not yet run
     on the GPU) give the same bits as with the barriers: a race between a thread's stores and
-    another's loads would show up as differences. Fold with snapshots to a real slot and a sink."""
+    another's loads would show up as differences. Fold with snapshots to a real slot and a sink. In
+    the default layout and in colwarp8 (vt 32)."""
     from pallas_kernels.kda import spec_kernels as sk
     from pallas_kernels.kda.spec import Capture
 
@@ -217,8 +222,8 @@ def test_verify_fold_without_auto_barriers():
     S0 = jax.random.normal(jax.random.key(5), (N * HV, 128, 128), jnp.float32) * 0.05
     base = jnp.arange(N, dtype=jnp.int32) * HV
     reset = (jnp.arange(N) % 7 == 3).astype(jnp.int32)
-    o = {a: np.asarray(jax.jit(functools.partial(sk.verify_mgpu, auto_barriers=a))(qf, kf, vf, gf, bf, S0, base, reset))
-         for a in (True, False)}
+    o = {a: np.asarray(jax.jit(functools.partial(sk.verify_mgpu, auto_barriers=a, layout=layout))(
+        qf, kf, vf, gf, bf, S0, base, reset)) for a in (True, False)}
     np.testing.assert_array_equal(o[False], o[True])
     capL = Capture(*(jnp.stack([x] * L, axis=1) for x in (kf, vf, gf, bf)))
     NS = N + 2
@@ -227,22 +232,23 @@ def test_verify_fold_without_auto_barriers():
     n_keep = jnp.arange(N, dtype=jnp.int32) % (T + 1)
     snap_at = jnp.where(jnp.arange(N) == 0, jnp.minimum(1, n_keep), 0)
     dst = jnp.where(jnp.arange(N) == 0, N, N + 1).astype(jnp.int32)
-    new = {a: np.asarray(jax.jit(functools.partial(sk.fold_pool, auto_barriers=a))(pool, slots, capL, n_keep,
-                                                                                     snap_at, dst))
-           for a in (True, False)}
+    new = {a: np.asarray(jax.jit(functools.partial(sk.fold_pool, auto_barriers=a, layout=layout))(
+        pool, slots, capL, n_keep, snap_at, dst)) for a in (True, False)}
     np.testing.assert_array_equal(new[False][:N + 1], new[True][:N + 1])  # the sink slot's value is unspecified
 
 
 @pytest.mark.parametrize("layout,vt,tiles,auto_barriers", [("wgmma", 64, 1, True), ("wgmma", 64, 2, True),
                                                            ("colwarp", 64, 2, True), ("colwarp", 64, 2, False),
-                                                           ("colwarp", 32, 1, True), ("colwarp", 32, 1, False)])
+                                                           ("colwarp", 32, 1, True), ("colwarp", 32, 1, False),
+                                                           ("colwarp8", 32, 1, False), ("colwarp8", 32, 2, False)])
 def test_verify_fold_bitwise_equal_decode(layout, vt, tiles, auto_barriers, monkeypatch):
     """Speculative decoding on the kernels can only be token-identical to plain decoding if verify
     and fold compute what the decode kernel computes, bit for bit: the verify kernel's outputs for
     T tokens equal T decode-kernel steps, and folding all T captured steps leaves the decode
     kernel's state (strong K3 gates: g = -5 sigmoid(x)). For each state tile layout
     (`mgpu.STEP_LAYOUT`, which all three kernels read), V tile width of the decode kernel (verify and
-    fold take 64; colwarp's vt 32 replicates warps to step each column alike) and V tiles per CTA."""
+    fold take `mgpu.step_vt`: 64, or 32 in colwarp8; colwarp's vt 32 replicates warps to step each column
+    as at 64) and V tiles per CTA."""
     from pallas_kernels.kda import mgpu
     from pallas_kernels.kda.spec import kda_fold, kda_verify
 
