@@ -555,3 +555,72 @@ def test_spec_mosaic_gpu_kernels_lower_for_cuda():
         fold = functools.partial(sk.fold_mgpu, layout=layout, auto_barriers=ab)
         e = _export_cuda(fold, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
         assert "mosaic_gpu" in e.mlir_module()
+
+
+# ---- bad arguments: a clear error before any implementation runs --------------------------------
+
+
+@pytest.mark.parametrize("impl", ["xla", IMPL, "pallas"])
+def test_entry_points_reject_bad_arguments(impl):
+    """Every KDA entry point checks its arguments before it dispatches (so "pallas" fails the same way
+    on this CPU): shapes, heads, the pool's shape and dtype, a layer past the pool's, slots out of
+    range or repeated (the kernels would read and write another request's rows), bad cu_seqlens; a
+    ValueError that names the entry point and the argument. A good call still runs (impl xla)."""
+    from pallas_kernels.kda import kda_chunk_pool
+    from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify
+    from pallas_kernels.kda.spec_kernels import fold_pool
+
+    rng = np.random.default_rng(0)
+    N, T, H, HV, K, V, S, L = 2, 3, 1, 2, 8, 8, 5, 2
+    q, k, v, g, beta = inputs(rng, (N,), H, HV, K, V)
+    pool = jnp.zeros((S, L, HV, K, V), jnp.float32)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    dec = functools.partial(kda_decode, impl=impl)
+    cases = [
+        (lambda: dec(q, k, v, g, beta, pool, slots, layer=L), "kda_decode: layer must be in \\[0, 2\\)"),
+        (lambda: dec(q, k, v, g, beta, pool, jnp.asarray([3, 5]), layer=0), "slots must lie in \\[0, 5\\)"),
+        (lambda: dec(q, k, v, g, beta, pool, jnp.asarray([1, 1]), layer=0), "slots must not repeat"),
+        (lambda: dec(q, k, v, g, beta, pool, slots[:1], layer=0), "slots must have one entry per sequence"),
+        (lambda: dec(q, k, v, g, beta, pool, slots.astype(jnp.float32), layer=0), "slots must be integers"),
+        (lambda: dec(q, k, v, g, beta, pool[:, :, :1], slots, layer=0), "pool must be \\[slots, layers, 2, 8, 8\\]"),
+        (lambda: dec(q, k, v, g, beta, pool.astype(jnp.bfloat16), slots, layer=0), "float32"),
+        (lambda: dec(q, k, v, g[..., :4], beta, pool, slots, layer=0), "g must have shape \\(2, 2, 8\\)"),
+        (lambda: dec(q, k[:, :, :4], v, g, beta, pool, slots, layer=0), "k must have shape"),
+        (lambda: dec(q, k, v, g, beta, pool, slots, layer=0, reset=jnp.zeros(3, bool)), "reset must have one entry"),
+    ]
+    qc, kc, vc, gc, bc = inputs(rng, (1, 7), H, HV, K, V)
+    cu = jnp.asarray([0, 4, 7], jnp.int32)
+    chunk = functools.partial(kda_chunk, impl=impl)
+    cp = functools.partial(kda_chunk_pool, impl=impl)
+    h0 = jnp.zeros((2, HV, K, V), jnp.float32)
+    cases += [
+        (lambda: chunk(qc, kc, vc, gc, bc, initial_state=h0[:1], cu_seqlens=cu), "initial_state must have shape"),
+        (lambda: chunk(qc, kc, vc, gc, bc, initial_state=h0, cu_seqlens=jnp.asarray([0, 5, 4])), "never decrease"),
+        (lambda: chunk(qc, kc, vc, gc, bc, initial_state=h0, cu_seqlens=jnp.asarray([0, 4, 9])), "at most at T=7"),
+        (lambda: chunk(qc, kc, vc[:, :5], gc, bc, initial_state=h0, cu_seqlens=cu), "kda_chunk: v must be"),
+        (lambda: cp(qc, kc, vc, gc, bc, pool, slots, layer=2, cu_seqlens=cu), "kda_chunk_pool: layer must be"),
+        (lambda: cp(qc, kc, vc, gc, bc, pool, jnp.asarray([0, 7]), layer=0, cu_seqlens=cu), "slots must lie in"),
+        (lambda: cp(qc, kc, vc, gc, bc, pool, slots, layer=0, cu_seqlens=cu, snapshot_at=jnp.asarray([1, -1]),
+                    snapshot_slots=jnp.asarray([4, 9])), "snapshot_slots must lie in"),
+    ]
+    qv, kv, vv, gv, bv = inputs(rng, (N, T), H, HV, K, V)
+    S0 = jnp.zeros((N, HV, K, V), jnp.float32)
+    cap = Capture(k=kv, v=vv, g=gv, beta=bv)  # H == HV / 2: k as captured must have HV heads
+    capL = Capture(*(jnp.stack([jnp.repeat(x, 2, axis=2) if x.shape[2] == H else x] * L, 1)
+                     for x in (kv, vv, gv, bv)))
+    n_keep = jnp.asarray([1, 3], jnp.int32)
+    cases += [
+        (lambda: kda_verify(qv, kv, vv, gv, bv, S0[:1], impl=impl), "kda_verify: S0 must have shape"),
+        (lambda: kda_verify(qv, kv, vv[:, :2], gv, bv, S0, impl=impl), "kda_verify: v must be"),
+        (lambda: kda_fold(S0, cap, n_keep, impl=impl), "kda_fold: capture k must have shape \\(2, 3, 2, 8\\)"),
+        (lambda: fold_pool(pool, slots, capL, n_keep[:1], impl=impl), "fold_pool: n_keep must have one entry"),
+        (lambda: fold_pool(pool, jnp.asarray([2, 2]), capL, n_keep, impl=impl), "fold_pool: slots must not repeat"),
+        (lambda: fold_pool(pool[:, :1], slots, capL, n_keep, impl=impl), "fold_pool: capture beta must be"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    if impl == "xla":  # the checks pass good arguments (traced ones too, under jit)
+        o, p = jax.jit(functools.partial(kda_decode, layer=1, impl=impl))(q, k, v, g, beta, pool, slots)
+        assert np.isfinite(np.asarray(o)).all()
+        fold_pool(pool, slots, capL, n_keep, impl="pallas_interpret")

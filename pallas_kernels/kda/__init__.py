@@ -21,8 +21,10 @@ mode, any backend); "pallas" = `mgpu.py` (Mosaic GPU, sm_90, K = V = 128-style s
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.dispatch import IMPLS, resolve_impl
+from pallas_kernels.kda import checks
 from pallas_kernels.kda.ref import (
     kda_chunk_ref,
     kda_chunk_varlen_ref,
@@ -51,6 +53,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     tokens of sequence i (clipped to its length; rows with snapshot_at < 0 are zero), as a third
     output `[N, HV, K, V]` f32. The Mosaic GPU kernel ends a chunk at that token and stores the
     state there; the other implementations run the sequences' two parts one after the other."""
+    _check_chunk("kda_chunk", q, k, v, g, beta, initial_state, cu_seqlens)
     if snapshot_at is not None:
         return _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size,
                                     jnp.asarray(snapshot_at, jnp.int32))
@@ -132,18 +135,26 @@ def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=No
 
     "pallas": the Mosaic GPU kernel reads each state from the pool by slot and writes it back in
     place (JAX >= 0.11); the other implementations gather and scatter around `kda_chunk`."""
+    op = "kda_chunk_pool"
+    _, _, HV, K, V = checks.tokens(op, q, k, v, g, beta, lead=2)
+    if q.shape[0] != 1:
+        raise ValueError(f"kda_chunk_pool takes packed inputs with batch 1, got batch {q.shape[0]}")
+    if np.ndim(slots) != 1:
+        raise ValueError(f"{op}: slots must be a 1-D [N] vector, got shape {np.shape(slots)}")
+    N = np.shape(slots)[0]
+    if np.shape(cu_seqlens) != (N + 1,):
+        raise ValueError(f"cu_seqlens must have {N + 1} entries for {N} slots, got shape {np.shape(cu_seqlens)}")
+    checks.cu_seqlens(op, cu_seqlens, q.shape[1])
+    if (snapshot_at is None) != (snapshot_slots is None):
+        raise ValueError("snapshot_at and snapshot_slots go together")
+    for name, x in (("reset", reset), ("snapshot_at", snapshot_at), ("snapshot_slots", snapshot_slots)):
+        checks.per_sequence(op, name, x, N)
+    checks.pool(op, pool, HV, K, V, layer=layer, slots=[("slots", slots), ("snapshot_slots", snapshot_slots)])
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_chunk")
     if auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1]):
         impl = "xla"
-    if q.shape[0] != 1:
-        raise ValueError(f"kda_chunk_pool takes packed inputs with batch 1, got batch {q.shape[0]}")
     slots = jnp.asarray(slots, jnp.int32)
-    N = slots.shape[0]
-    if cu_seqlens.shape != (N + 1,):
-        raise ValueError(f"cu_seqlens must have {N + 1} entries for {N} slots, got shape {cu_seqlens.shape}")
-    if (snapshot_at is None) != (snapshot_slots is None):
-        raise ValueError("snapshot_at and snapshot_slots go together")
     reset = jnp.zeros((N,), bool) if reset is None else jnp.asarray(reset, bool)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
     if impl == "pallas":
@@ -172,6 +183,17 @@ def write_states(pool, layer, slots, ht, snapshot_at=None, snapshot_slots=None, 
     return pool.at[to, layer].set(snaps, mode="drop")
 
 
+def _check_chunk(op, q, k, v, g, beta, initial_state, cu_seqlens):
+    """kda_chunk's arguments: the token arrays, the initial states `[N, HV, K, V]` (N = B dense,
+    else the sequences of `cu_seqlens`), cu_seqlens with packed batch-1 inputs."""
+    (B, T), _, HV, K, V = checks.tokens(op, q, k, v, g, beta, lead=2)
+    N = B
+    if cu_seqlens is not None:
+        checks.cu_seqlens(op, cu_seqlens, T)
+        N = np.shape(cu_seqlens)[0] - 1
+    checks.states(op, "initial_state", initial_state, (N, HV, K, V))
+
+
 def _gpu_shapes_ok(K: int, V: int) -> bool:
     """Shapes the Mosaic GPU kernels take (K, V multiples of 64); "auto" falls back to "xla"."""
     return K % 64 == 0 and V % 64 == 0
@@ -185,6 +207,11 @@ def kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None, 
     (o `[N, HV, V]` f32, pool). The Pallas kernels alias the pool input to the output: under a
     jit that donates the pool, only the rows of `slots` are read and written.
     """
+    op = "kda_decode"
+    _, _, HV, K, V = checks.tokens(op, q, k, v, g, beta, lead=1)
+    for name, x in (("slots", slots), ("reset", reset)):
+        checks.per_sequence(op, name, x, q.shape[0])
+    checks.pool(op, pool, HV, K, V, layer=layer, slots=[("slots", slots)])
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_decode")
     if auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1]):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.kda import checks
 from pallas_kernels.kda.ref import _prep, _step
 
 
@@ -60,6 +61,8 @@ def kda_verify(q, k, v, g, beta, S0, *, scale=None, impl="xla"):
 
     impl: "xla" (this jnp scan), "pallas" (Mosaic GPU) or "pallas_interpret" (portable Pallas),
     or "auto" (`pallas_kernels.dispatch`); the kernels are in `spec_kernels.py`."""
+    (N, _), _, HV, K, V = checks.tokens("kda_verify", q, k, v, g, beta, lead=2)
+    checks.states("kda_verify", "S0", S0, (N, HV, K, V))
     impl = _kernel_impl(impl, "kda_verify", q.shape[-1], v.shape[-1])
     if impl != "xla":
         from pallas_kernels.kda import spec_kernels
@@ -85,6 +88,11 @@ def kda_fold(S0, cap: Capture, n_keep, snap_at=None, *, impl="xla"):
     block; meaningful where 0 < snap_at[i] <= n_keep[i]), from the same replay.
 
     impl as in `kda_verify`: the kernels replay all layers and heads in one launch."""
+    if S0.ndim < 4:
+        raise ValueError(f"kda_fold: S0 must be [N, ..., HV, K, V], got shape {S0.shape}")
+    checks.capture("kda_fold", cap, S0.shape[:-3], *S0.shape[-3:])
+    for name, x in (("n_keep", n_keep), ("snap_at", snap_at)):
+        checks.per_sequence("kda_fold", name, x, S0.shape[0])
     impl = _kernel_impl(impl, "kda_fold", S0.shape[-2], S0.shape[-1])
     if impl != "xla":
         from pallas_kernels.kda import spec_kernels

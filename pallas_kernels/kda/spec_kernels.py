@@ -38,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -382,9 +383,19 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
     real checkpoint; callers point the others at a sink slot). One launch, no gather or scatter:
     under a jit that donates the pool only the touched rows are read and written. auto_barriers,
     layout: `fold_mgpu`'s (impl "pallas"). -> pool."""
+    from pallas_kernels.kda import checks
+
+    op = "fold_pool"
+    if pool.ndim != 5 or np.ndim(slots) != 1:
+        raise ValueError(f"{op}: pool must be [S, L, HV, K, V] and slots [N], got shapes {pool.shape}, {np.shape(slots)}")
     S_, L, HV, K, V = pool.shape
     N = slots.shape[0]
-    T = cap.beta.shape[-2]
+    T = checks.capture(op, cap, (N, L), HV, K, V)
+    for name, x in (("n_keep", n_keep), ("snap_at", snap_at), ("snap_dst", snap_dst)):
+        checks.per_sequence(op, name, x, N)
+    if (snap_at is None) != (snap_dst is None):
+        raise ValueError(f"{op}: snap_at and snap_dst go together")
+    checks.pool(op, pool, HV, K, V, slots=[("slots", slots), ("snap_dst", snap_dst)])
     rep = lambda x: jnp.repeat(x.astype(jnp.int32), L)
     base = _fold_rows(N, L, HV, slots)
     if snap_at is None:
