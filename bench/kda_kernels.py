@@ -251,6 +251,9 @@ DECODE_VARIANTS = {
     "colwarp8": {"layout": "colwarp8", "vt": 32},
     "colwarp8_tiles2": {"layout": "colwarp8", "vt": 32, "tiles": 2},
     "colwarp8_tiles4": {"layout": "colwarp8", "vt": 32, "tiles": 4},
+    # ... ending each CTA once its TMA stores have read shared memory (no difference at vt 64, session 9;
+    # at batch 1 the store's wait is on the whole kernel's critical path)
+    "colwarp8_ro": {"layout": "colwarp8", "vt": 32, "read_only_wait": True},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "

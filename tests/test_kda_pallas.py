@@ -483,7 +483,10 @@ def test_fold_all_layers_matches_reference_with_snapshot():
     close(jax.jit(functools.partial(kda_fold, impl=IMPL))(S0, cap, n_keep), S_r)
 
 
-def test_fold_pool_in_place_by_slot():
+@pytest.mark.parametrize("impl", [IMPL, "xla"])
+def test_fold_pool_in_place_by_slot(impl):
+    """The fold on the pool by slot (the kernel; "xla": gather, fold, scatter) against the reference;
+    untouched slots unchanged."""
     from pallas_kernels.kda.spec import Capture, kda_fold
     from pallas_kernels.kda.spec_kernels import fold_pool
 
@@ -495,7 +498,7 @@ def test_fold_pool_in_place_by_slot():
     cap = Capture(k=f(N, L, T, HV, K) * 0.3, v=f(N, L, T, HV, V), g=-jnp.abs(f(N, L, T, HV, K)),
                   beta=jax.nn.sigmoid(f(N, L, T, HV)))
     n_keep, snap_at = jnp.array([2, 1]), jnp.array([1, 1])
-    new = jax.jit(functools.partial(fold_pool, impl=IMPL), donate_argnums=0)(
+    new = jax.jit(functools.partial(fold_pool, impl=impl), donate_argnums=0)(
         jnp.asarray(pool), slots, cap, n_keep, snap_at, dst)
     new = np.asarray(new)
     S_r, Ss_r = kda_fold(jnp.asarray(pool)[slots], cap, n_keep, snap_at)
@@ -624,3 +627,43 @@ def test_entry_points_reject_bad_arguments(impl):
         o, p = jax.jit(functools.partial(kda_decode, layer=1, impl=impl))(q, k, v, g, beta, pool, slots)
         assert np.isfinite(np.asarray(o)).all()
         fold_pool(pool, slots, capL, n_keep, impl="pallas_interpret")
+
+
+@pytest.mark.parametrize("impl", ["xla", IMPL])
+def test_entry_points_take_empty_inputs(impl):
+    """No sequences or no tokens is a valid call (nothing runs): decode of 0 sequences, a prefill of 0
+    tokens (final state = initial state, snapshots of it where asked; in the pool a reset sequence's
+    row becomes zero), verify of 0 sequences, a fold of 0 steps."""
+    from pallas_kernels.kda import kda_chunk_pool
+    from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify
+    from pallas_kernels.kda.spec_kernels import fold_pool
+
+    rng = np.random.default_rng(1)
+    H, HV, K, V, S, L = 1, 2, 8, 8, 4, 2
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    z = lambda *s: jnp.zeros(s, jnp.float32)
+    pool = f(S, L, HV, K, V)
+    o, p = kda_decode(z(0, H, K), z(0, H, K), z(0, HV, V), z(0, HV, K), z(0, HV), pool, jnp.zeros((0,), jnp.int32),
+                      layer=1, impl=impl)
+    assert o.shape == (0, HV, V)
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(pool))
+    toks = (z(1, 0, H, K), z(1, 0, H, K), z(1, 0, HV, V), z(1, 0, HV, K), z(1, 0, HV))
+    h0 = f(2, HV, K, V)
+    o, ht, snap = kda_chunk(*toks, initial_state=h0, cu_seqlens=jnp.array([0, 0, 0]), snapshot_at=jnp.array([0, -1]),
+                            impl=impl)
+    assert o.shape == (1, 0, HV, V)
+    np.testing.assert_array_equal(np.asarray(ht), np.asarray(h0))
+    np.testing.assert_array_equal(np.asarray(snap), np.asarray(h0.at[1].set(0.0)))
+    o, p = kda_chunk_pool(*toks, pool, jnp.array([1, 2]), layer=1, cu_seqlens=jnp.array([0, 0, 0]),
+                          reset=jnp.array([False, True]), impl=impl)
+    want = np.asarray(pool).copy()
+    want[2, 1] = 0.0
+    np.testing.assert_array_equal(np.asarray(p), want)
+    o, cap = kda_verify(z(0, 3, H, K), z(0, 3, H, K), z(0, 3, HV, V), z(0, 3, HV, K), z(0, 3, HV), z(0, HV, K, V),
+                        impl=impl)
+    assert o.shape == (0, 3, HV, V) and cap.k.shape == (0, 3, HV, K)
+    cap0 = Capture(z(2, L, 0, HV, K), z(2, L, 0, HV, V), z(2, L, 0, HV, K), z(2, L, 0, HV))
+    S0 = f(2, L, HV, K, V)
+    np.testing.assert_array_equal(np.asarray(kda_fold(S0, cap0, jnp.zeros(2, jnp.int32), impl=impl)), np.asarray(S0))
+    p = fold_pool(pool, jnp.array([3, 0]), cap0, jnp.zeros(2, jnp.int32), impl=impl)
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(pool))

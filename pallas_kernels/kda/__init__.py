@@ -53,7 +53,14 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     tokens of sequence i (clipped to its length; rows with snapshot_at < 0 are zero), as a third
     output `[N, HV, K, V]` f32. The Mosaic GPU kernel ends a chunk at that token and stores the
     state there; the other implementations run the sequences' two parts one after the other."""
-    _check_chunk("kda_chunk", q, k, v, g, beta, initial_state, cu_seqlens)
+    N = _check_chunk("kda_chunk", q, k, v, g, beta, initial_state, cu_seqlens)
+    if q.shape[1] == 0:  # no tokens: nothing to run
+        h0 = jnp.zeros((N,) + v.shape[-2:-1] + (q.shape[-1], v.shape[-1]), jnp.float32) if initial_state is None \
+            else initial_state.astype(jnp.float32)
+        o = jnp.zeros(v.shape, jnp.float32)
+        if snapshot_at is None:
+            return o, h0
+        return o, h0, jnp.where((jnp.asarray(snapshot_at) >= 0)[:, None, None, None], h0, 0.0)
     if snapshot_at is not None:
         return _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size,
                                     jnp.asarray(snapshot_at, jnp.int32))
@@ -152,8 +159,8 @@ def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=No
     checks.pool(op, pool, HV, K, V, layer=layer, slots=[("slots", slots), ("snapshot_slots", snapshot_slots)])
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_chunk")
-    if auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1]):
-        impl = "xla"
+    if (auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1])) or q.shape[1] == 0:
+        impl = "xla"  # (no tokens: the jnp path writes the reset rows and snapshots without a launch)
     slots = jnp.asarray(slots, jnp.int32)
     reset = jnp.zeros((N,), bool) if reset is None else jnp.asarray(reset, bool)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
@@ -185,13 +192,14 @@ def write_states(pool, layer, slots, ht, snapshot_at=None, snapshot_slots=None, 
 
 def _check_chunk(op, q, k, v, g, beta, initial_state, cu_seqlens):
     """kda_chunk's arguments: the token arrays, the initial states `[N, HV, K, V]` (N = B dense,
-    else the sequences of `cu_seqlens`), cu_seqlens with packed batch-1 inputs."""
+    else the sequences of `cu_seqlens`), cu_seqlens with packed batch-1 inputs. -> N."""
     (B, T), _, HV, K, V = checks.tokens(op, q, k, v, g, beta, lead=2)
     N = B
     if cu_seqlens is not None:
         checks.cu_seqlens(op, cu_seqlens, T)
         N = np.shape(cu_seqlens)[0] - 1
     checks.states(op, "initial_state", initial_state, (N, HV, K, V))
+    return N
 
 
 def _gpu_shapes_ok(K: int, V: int) -> bool:
@@ -214,8 +222,8 @@ def kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None, 
     checks.pool(op, pool, HV, K, V, layer=layer, slots=[("slots", slots)])
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_decode")
-    if auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1]):
-        impl = "xla"
+    if (auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1])) or q.shape[0] == 0:
+        impl = "xla"  # (no sequences: nothing to launch)
     if impl == "xla":
         return kda_decode_ref(q, k, v, g, beta, pool, slots, layer=layer, reset=reset, scale=scale)
     K = q.shape[-1]

@@ -14,7 +14,8 @@ is one to two CTAs per SM: `decode_tiles`), without Pallas's automatic barriers 
 tiles `pool[slot, layer, h, :, v0:v0+VT]` (f32, swizzled; each on its own barrier) and the
 token's vectors into shared memory, holds a tile in registers in the colwarp layout
 (`STEP_LAYOUT`: the warps split the columns, so the two reductions over K stay inside a warp; the
-WGMMA layout remains an option), does the gated delta step in f32, and TMA-stores the tile. The
+WGMMA layout and colwarp8, 8 columns a warp at vt 32, are options), does the gated delta step in f32,
+and TMA-stores the tile. The
 pool is aliased input -> output, so the update is in place and untouched slots are never read or
 written (2 x 4 x K x V bytes per head): with `pl.pallas_call` on JAX <= 0.10, and on JAX 0.11.2
 (no `pl.pallas_call` lowering for Mosaic GPU) by passing the pool to `plgpu.kernel` as a JAX Ref,

@@ -382,7 +382,9 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
     the state after snap_at steps is written to slot snap_dst (where 0 < snap_at <= n_keep it is a
     real checkpoint; callers point the others at a sink slot). One launch, no gather or scatter:
     under a jit that donates the pool only the touched rows are read and written. auto_barriers,
-    layout: `fold_mgpu`'s (impl "pallas"). -> pool."""
+    layout: `fold_mgpu`'s (impl "pallas"). impl "xla" (and any impl when there are no sequences or
+    no steps): the states gathered, `spec.kda_fold`, scattered back (the working slots first, then
+    the snapshots). -> pool."""
     from pallas_kernels.kda import checks
 
     op = "fold_pool"
@@ -396,6 +398,15 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
     if (snap_at is None) != (snap_dst is None):
         raise ValueError(f"{op}: snap_at and snap_dst go together")
     checks.pool(op, pool, HV, K, V, slots=[("slots", slots), ("snap_dst", snap_dst)])
+    if impl == "xla" or not cap.beta.size:
+        from pallas_kernels.kda.spec import kda_fold
+
+        out = kda_fold(pool[slots], cap, n_keep, snap_at)
+        if snap_at is None:
+            return pool.at[slots].set(out)
+        return pool.at[slots].set(out[0]).at[snap_dst].set(out[1])
+    if impl not in ("pallas", "pallas_interpret"):
+        raise ValueError(f"{op}: impl must be 'xla', 'pallas' or 'pallas_interpret', got {impl!r}")
     rep = lambda x: jnp.repeat(x.astype(jnp.int32), L)
     base = _fold_rows(N, L, HV, slots)
     if snap_at is None:
