@@ -20,9 +20,10 @@ the step is not bitwise batch-invariant there either. The logit rows differ by u
 4 of the 10 GEMM shapes give a different row 0 at M = 1, 132 and 148 than at M = 4 (~1e-6). The
 differences are small enough that tests/test_engine.py's speculative runs stay token-identical
 on the CPU. On the H200 the engine's speculative tokens differ from plain decoding (bench/NOTES.md,
-"Engine on the H200"). Hypothesis to check with this script there: XLA's GPU GEMMs pick their
-algorithm by M, and f32 matmuls run in TF32 by default, so the per-shape differences are ~1e-3
-rather than ~1e-6.
+"Engine on the H200"). Measured there (session 10, `results/batch_invariance_h200.json`): the logit
+row moves by ~0.02 between verify and decode steps, and f32 GEMM rows at M = 1 differ from M = 4 by
+~1e-3, TF32-sized. Since session 12 an f32 model's step multiplies at "highest" precision
+(`k3jax.model.forward.matmul_precision`) and so does this script's GEMM check: not yet run on the GPU.
 """
 
 from __future__ import annotations
@@ -94,12 +95,20 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int) -> dict:
             "same_argmax": bool(row_ver.argmax() == row_dec.argmax() == row_mix.argmax())}
 
 
-def gemm_rows(params, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
-    """Row 0 of x[:M] @ W for every distinct 2-D weight shape, against M = 4."""
+def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
+    """Row 0 of x[:M] @ W for every distinct 2-D weight shape, against M = 4, at the matmul precision
+    the model's step uses (`forward.matmul_precision`: "highest" for an f32 model since session 12)."""
+    from k3jax.model.forward import matmul_precision
+
     shapes = sorted({(x.shape, str(x.dtype)) for x in jax.tree.leaves(params) if x.ndim == 2 and min(x.shape) >= 16})
     out = []
     key = jax.random.key(seed)
-    mm = jax.jit(lambda x, w: x @ w)
+
+    def mm(x, w):
+        with matmul_precision(cfg):
+            return x @ w
+
+    mm = jax.jit(mm)
     for (shape, dt) in tqdm(shapes, desc="gemm shapes", leave=False):
         k1, k2, key = jax.random.split(key, 3)
         w = jax.random.normal(k1, shape, jnp.float32).astype(dt) * shape[0] ** -0.5
@@ -125,13 +134,14 @@ def main(argv=None):
 
     model = build_model(args.model, args.kda_head_dim or None, args.impl)
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
+           "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
     for s in tqdm(range(args.seeds), desc="step shapes", leave=False):
         r = step_rows(model, args.prompt_len, args.gamma, s)
         res["step"].append(r)
         print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, verify vs decode "
               f"{r['verify_vs_decode_maxabs']:.3g}, same argmax {r['same_argmax']}", flush=True)
-    res["gemm"] = gemm_rows(model.params)
+    res["gemm"] = gemm_rows(model.params, model.config)
     bad = [g for g in res["gemm"] if not g["bitwise_equal"]]
     print(f"gemm: {len(res['gemm']) - len(bad)} of {len(res['gemm'])} weight shapes give row 0 bit for bit at every M")
     for g in bad:

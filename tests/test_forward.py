@@ -184,3 +184,38 @@ def test_no_recompilation_after_warmup(tiny):
             for w in dec + pre:
                 lens[w.slot] = w.start + len(w.tokens)
         assert compiles() == 0
+
+
+def _dot_precisions(jaxpr, out):
+    from jax.extend import core as jcore
+
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(e.params["precision"])
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    _dot_precisions(getattr(sub, "jaxpr", sub), out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_f32_model_multiplies_in_f32(dtype):
+    """Every matmul of an f32 model's step (a mixed step and a speculative verify block) runs at
+    "highest" precision (XLA's default rounds f32 inputs to TF32 on a GPU for some row counts and not
+    others, so verify blocks and decode steps parted on the H200); a bf16 model's are left at the
+    default."""
+    import functools
+
+    from k3jax.model.forward import forward, forward_verify
+
+    cfg = preset("k3-tiny").replace(dtype=dtype)
+    params = init_params(cfg, 0)
+    mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
+    block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
+    hi = str((jax.lax.Precision.HIGHEST,) * 2)
+    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
+                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
+        jx = jax.make_jaxpr(f)(params, fresh_state(cfg), batch)
+        precs = [str(p) for p in _dot_precisions(jx.jaxpr, [])]
+        assert len(precs) > 50 and set(precs) == ({hi} if dtype == "float32" else {"None"}), set(precs)

@@ -8,6 +8,7 @@ kernels per shard and the MoE expert-parallel; `sharding.step.make_sharded_step`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -168,10 +169,23 @@ def lm_head(params: Params, h):
                           preferred_element_type=jnp.float32)
 
 
+def matmul_precision(cfg: ModelConfig):
+    """The step's matmul precision: an f32 model multiplies in f32 (`jax.default_matmul_precision`
+    "highest"). Left at XLA's default, an f32 matmul runs with TF32 (GPU) or bf16 passes (TPU)
+    inputs for some shapes and in full f32 for others: on the H200 the rows of a weight product at M = 1
+    (decode) and M >= 4 (verify blocks) differed by ~1e-3 (bench/results/batch_invariance_h200.json), so
+    speculative and plain decoding of an f32 model parted. bf16 models (what is served) are untouched:
+    their products take bf16 inputs at any precision. CPU results do not change."""
+    if jnp.dtype(cfg.dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
 def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "auto", shard=None):
     """-> (f32 logits [R, X] of the `logit_idx` rows, new state)."""
-    h, state = forward_hidden(params, state, batch, cfg, impl, shard)
-    return lm_head(params, h), state
+    with matmul_precision(cfg):
+        h, state = forward_hidden(params, state, batch, cfg, impl, shard)
+        return lm_head(params, h), state
 
 
 def forward_verify(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, block: int,
@@ -180,8 +194,9 @@ def forward_verify(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
     recurrent state (never writing it) and write MLA KV for every block token; prefill sequences
     run as usual. -> (logits [R, X], state, [VerifyCapture per KDA layer])."""
     captures: list = []
-    h, state = forward_hidden(params, state, batch, cfg, impl, shard, block, captures)
-    return lm_head(params, h), state, captures
+    with matmul_precision(cfg):
+        h, state = forward_hidden(params, state, batch, cfg, impl, shard, block, captures)
+        return lm_head(params, h), state, captures
 
 
 step = jax.jit(forward, static_argnames=("cfg", "impl", "shard"), donate_argnames=("state",))

@@ -101,7 +101,9 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
     "On the CPU the step is not bitwise batch-invariant either (bench/batch_invariance.py: ~1e-5) but no token "
     "flips there. 2026-12-04, bench/batch_invariance.py on the H200: the logit row moves by ~0.02 between "
     "verify and decode shapes, and f32 GEMM rows at M = 1 differ from M = 4 by ~1e-3 (TF32-sized) at every "
-    "weight shape (bench/results/batch_invariance_h200.json)"))
+    "weight shape (bench/results/batch_invariance_h200.json). 2026-12-04 session 12: an f32 model's step now "
+    "multiplies at 'highest' precision (k3jax.model.forward.matmul_precision), not yet run on the GPU: if this "
+    "test XPASSes, remove the xfail; if not, run bench/batch_invariance.py to see what is left"))
 def test_speculative_on_kernels_equals_plain(model):
     llm = LLM(model, prefix_cache=True, overlap=True, **ENGINE_KW)
     want = run_workload(llm)  # checks the engine's invariants after each run
