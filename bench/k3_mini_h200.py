@@ -1,15 +1,20 @@
 """End-to-end decode of k3-mini on one H200: the Pallas path (`impl="pallas"`: the Mosaic GPU KDA
 decode kernel, in place on the recurrent pool) vs the XLA path (`impl="xla"`), with a breakdown of
-the step's GPU time by layer type from a profile.
+the step's GPU time by layer type from a profile; with `--prefill`, prefill steps too (the chunk
+kernels), whose breakdown shows what the KDA layer spends outside the kernels (`kda_proj/qk_norm`,
+`kda_proj/gate`: the L2 norm and the gate, which the kernels could fuse in).
 
     python3 bench/k3_mini_h200.py --out bench/results/k3_mini_h200.json
+    python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --out $OUT/k3_mini_prefill.json
 
 Random weights (k3jax's `init_params`, seeded) and random recurrent/KV state. Every sequence decodes
-one token with `--context` tokens already in context. Step times come from
+one token with `--context` tokens already in context; a prefill row is one fresh sequence of that
+many tokens in one step. Step times come from
 `bench/step_xla.py: measure` (median wall time of the jitted, state-donating `step`, after a warm-up
 call). The breakdown: `jax.profiler.trace` over a few steps; each GPU kernel event carries the HLO
 instruction it ran (`hlo_op`), which is mapped to the `jax.named_scope` of the model code
-(`layer{i}_kda/kda_core`, `layer{i}_mla`, `layer{i}_moe`, `lm_head`, ...) through the op_name metadata
+(`layer{i}_kda/kda_core`, `layer{i}_kda/kda_proj/gate`, `layer{i}_mla`, `layer{i}_moe`, `lm_head`, ...)
+through the op_name metadata
 of the compiled module's HLO; kernel time is summed per layer type and sub-scope and divided by the
 number of profiled steps (so it is device time, not wall time).
 """
@@ -50,6 +55,15 @@ def random_state(state, seed=0):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def prefill_batch(cfg, T, ps, seed=0):
+    """(state, batch) for one fresh sequence prefilling T tokens in one step."""
+    n_pages = -(-T // ps)
+    state = random_state(init_state(cfg, 2, n_pages + 1, ps))
+    ids = jax.random.randint(jax.random.key(seed), (T,), 0, cfg.vocab_size).tolist()
+    work = SeqWork(ids, 0, 1, list(range(1, n_pages + 1)))
+    return state, pack_step([], [work], D=0, P=T, NP=1, pages_per_seq=n_pages).batch
+
+
 def decode_batch(cfg, B, ctx, ps):
     """(state, batch) for B sequences decoding one token each with `ctx` tokens in context."""
     n_pages = -(-(ctx + 1) // ps)
@@ -60,7 +74,7 @@ def decode_batch(cfg, B, ctx, ps):
 
 # ---- profile -> per-scope device time -------------------------------------------------------
 
-_SCOPE = re.compile(r"layer(\d+)_(kda|mla|moe|dense)(?:/(\w+))?")
+_SCOPE = re.compile(r"layer(\d+)_(kda|mla|moe|dense)((?:/\w+)*)")
 
 
 def hlo_scopes(hlo_text):
@@ -95,10 +109,16 @@ def hlo_scopes(hlo_text):
     return out
 
 
+# name-stack parts that JAX's transformations add (a scan's while loop, a called jaxpr): not model scopes
+_JAX_PARTS = re.compile(r"^(?:while|body|cond|closed_call|branch_\d+|checkpoint|remat|pjit|shard_map|jvp|vmap)$")
+
+
 def classify(op_name):
+    """op_name -> (layer type, the model's named scopes below the layer's, '/'-joined: the last part,
+    the primitive, and the parts JAX's transformations add are dropped)."""
     m = _SCOPE.search(op_name)
     if m:
-        return m.group(2), (m.group(3) or "")
+        return m.group(2), "/".join(x for x in m.group(3).split("/")[1:-1] if not _JAX_PARTS.match(x))
     if "lm_head" in op_name:
         return "lm_head", ""
     return "other", ""
@@ -165,7 +185,9 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="k3-mini")
-    ap.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64, 256])
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 16, 64, 256], help="decode batches (empty: none)")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="prefill rows: one fresh sequence of this many tokens in one step (default: none)")
     ap.add_argument("--impl", nargs="*", default=["pallas", "xla"])
     ap.add_argument("--layouts", nargs="*", default=["stacked"], choices=["stacked", "split"],
                     help="parameter layouts: stacked (one array per field with a leading layer dim: the forward "
@@ -187,11 +209,15 @@ def main(argv=None):
            "dtype": cfg.dtype, "context": args.context, "page_size": args.page_size,
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for B, impl, layout in ((B, impl, lay) for B in args.batch for impl in args.impl for lay in args.layouts):
+    shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
+    for (kind, B), impl, layout in ((s, impl, lay) for s in shapes for impl in args.impl for lay in args.layouts):
         params = layouts[layout]
-        row = {"batch": B, "impl": impl, "layout": layout}
+        row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
+            "prefill_tokens": B, "impl": impl, "layout": layout}
+        make = ((lambda: decode_batch(cfg, B, args.context, args.page_size)) if kind == "decode"
+                else (lambda: prefill_batch(cfg, B, args.page_size)))
         try:
-            state, batch = decode_batch(cfg, B, args.context, args.page_size)
+            state, batch = make()
             batch = jax.device_put(batch)
             t = time.perf_counter()  # one compile, used by the timing and by the profile
             compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
@@ -200,7 +226,7 @@ def main(argv=None):
             _, med = step_xla.measure(params, cfg, state, batch, args.iters)
             row.update(step_ms=med * 1e3, tokens_per_s=B / med)
             try:
-                box = {"s": decode_batch(cfg, B, args.context, args.page_size)[0]}  # measure() donated the first
+                box = {"s": make()[0]}  # measure() donated the first
 
                 def run():
                     out, box["s"] = compiled(params, box["s"], batch)
@@ -223,7 +249,8 @@ def main(argv=None):
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
-        print(f"{r['batch']:5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('step_ms', float('nan')):8.3f} "
+        n = r.get("batch", f"P{r.get('prefill_tokens')}")
+        print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")
 

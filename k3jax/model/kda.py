@@ -133,8 +133,11 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
             q, k, v = (shard.constrain(a, (None, None, "kda_heads", None)) for a in (q, k, v))
         # k in the activation dtype for every kernel: a verify capture stores it so, and the fold
         # replays exactly the values verify used
-        q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]).astype(x.dtype), v[:, 0]
-        g = kda_gate(proj(proj(x, p.f_a), p.f_b), p, cfg)  # [T, H, K]
+        with jax.named_scope("qk_norm"):  # own scopes: the profile shows what fusing them into the kernels would save
+            q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]).astype(x.dtype), v[:, 0]
+        f = proj(proj(x, p.f_a), p.f_b)
+        with jax.named_scope("gate"):
+            g = kda_gate(f, p, cfg)  # [T, H, K]
         beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]
 
     outs = []
