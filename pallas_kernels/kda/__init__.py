@@ -26,6 +26,7 @@ import numpy as np
 from pallas_kernels.dispatch import IMPLS, resolve_impl
 from pallas_kernels.kda import checks
 from pallas_kernels.kda.ref import (
+    _state0,
     kda_chunk_ref,
     kda_chunk_varlen_ref,
     kda_decode_ref,
@@ -55,8 +56,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
     state there; the other implementations run the sequences' two parts one after the other."""
     N = _check_chunk("kda_chunk", q, k, v, g, beta, initial_state, cu_seqlens)
     if q.shape[1] == 0:  # no tokens: nothing to run
-        h0 = jnp.zeros((N,) + v.shape[-2:-1] + (q.shape[-1], v.shape[-1]), jnp.float32) if initial_state is None \
-            else initial_state.astype(jnp.float32)
+        h0 = _state0(initial_state, (N, v.shape[-2], q.shape[-1], v.shape[-1]))
         o = jnp.zeros(v.shape, jnp.float32)
         if snapshot_at is None:
             return o, h0

@@ -228,9 +228,9 @@ def step_layouts(layout, K, vt):
 
 
 def step_vt(layout, V):
-    """The verify and fold kernels' V tile when not given: 32 for "colwarp8" (its only width), else 64
-    (never more than V)."""
-    return min(32 if (layout or STEP_LAYOUT) == "colwarp8" else 64, V)
+    """The verify and fold kernels' V tile when not given: the widest the layout takes (`_COLWARP`:
+    64 for "colwarp", 32 for "colwarp8"; 64 for "wgmma"), never more than V."""
+    return min(max(_COLWARP.get(layout or STEP_LAYOUT, (0, (64,)))[1]), V)
 
 
 # SMs of an H100 / H200: a grid of fewer CTAs leaves SMs idle (decode's tiles, the inter kernel's vt)
@@ -243,12 +243,9 @@ def decode_vt(N, HV, V, layout=None):
     vt-32 form steps every column as vt 64 does, bit for bit), else 64; 64 in "wgmma". Twice the CTAs
     for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24 of 32
     KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
-    name = layout or STEP_LAYOUT
-    if name == "colwarp8" and V % 32 == 0:
+    if (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
         return 32
-    if name == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
-        return 32
-    return 64
+    return step_vt(layout, max(V, 64))  # the layout's widest tile (decode clips it to V)
 
 
 def decode_auto_barriers(layout, K, vt):
