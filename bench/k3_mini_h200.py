@@ -5,7 +5,7 @@ kernels), whose breakdown shows what the KDA layer spends outside the kernels (`
 `kda_proj/gate`: the L2 norm and the gate, which the kernels could fuse in).
 
     python3 bench/k3_mini_h200.py --out bench/results/k3_mini_h200.json
-    python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --out $OUT/k3_mini_prefill.json
+    python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --fused-inputs --out $OUT/k3_mini_prefill.json
 
 Random weights (k3jax's `init_params`, seeded) and random recurrent/KV state. Every sequence decodes
 one token with `--context` tokens already in context; a prefill row is one fresh sequence of that
@@ -39,6 +39,7 @@ import bench.step_xla as step_xla  # noqa: E402
 from bench._common import device_events  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
+from k3jax.model import kda as kda_model  # noqa: E402
 from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
@@ -189,6 +190,9 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
                     help="prefill rows: one fresh sequence of this many tokens in one step (default: none)")
     ap.add_argument("--impl", nargs="*", default=["pallas", "xla"])
+    ap.add_argument("--fused-inputs", action="store_true",
+                    help="prefill rows of impl pallas also run with the KDA layer's L2 norm and gate in the chunk "
+                         "kernel (k3jax.model.kda.PREFILL_FUSED_INPUTS; rows marked fused_inputs)")
     ap.add_argument("--layouts", nargs="*", default=["stacked"], choices=["stacked", "split"],
                     help="parameter layouts: stacked (one array per field with a leading layer dim: the forward "
                          "slices it per layer) and/or split (`split_layers`: one array per layer)")
@@ -210,10 +214,14 @@ def main(argv=None):
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    for (kind, B), impl, layout in ((s, impl, lay) for s in shapes for impl in args.impl for lay in args.layouts):
+    runs = [(s, impl, lay, fused) for s in shapes for impl in args.impl for lay in args.layouts
+            for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])]
+    for (kind, B), impl, layout, fused in runs:
         params = layouts[layout]
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
-            "prefill_tokens": B, "impl": impl, "layout": layout}
+            "prefill_tokens": B, "impl": impl, "layout": layout, "fused_inputs": fused}
+        kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
+        step.clear_cache()
         make = ((lambda: decode_batch(cfg, B, args.context, args.page_size)) if kind == "decode"
                 else (lambda: prefill_batch(cfg, B, args.page_size)))
         try:
@@ -249,7 +257,7 @@ def main(argv=None):
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
-        n = r.get("batch", f"P{r.get('prefill_tokens')}")
+        n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")

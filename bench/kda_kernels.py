@@ -284,6 +284,11 @@ def main(argv=None):
     ap.add_argument("--inter-vt", type=int, nargs="*", default=[],
                     help="prefill rows time the inter kernel alone at these V tiles (default: the one "
                          "`mgpu.inter_vt` picks)")
+    ap.add_argument("--fused-inputs", action="store_true",
+                    help="prefill rows also time the chunk from raw q, k and bf16 gate logits (K3's lower-bound "
+                         "gate): the gate and the L2 norm fused in the prep kernel (fused_inputs_ms) against XLA "
+                         "computing them before the kernels (xla_inputs_ms, the model's default path), and fla's "
+                         "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -333,6 +338,52 @@ def main(argv=None):
         g = F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16).sigmoid()
         return q, k, v, g, beta
+
+    def fused_inputs_row(jin, tin, B, T, H, R, lower_bound=-5.0):
+        """The gate and the L2 norm in the prep kernel vs in XLA before it, and fla's fused form, on
+        raw q, k (row norms 0.2-6) and bf16 gate logits: {fused_inputs_ms, xla_inputs_ms,
+        fla_fused_inputs_ms, rel_err_fused_vs_xla_inputs}. jin: the row's jax inputs (q, k, v, g, beta,
+        h0), tin the same in torch."""
+        from pallas_kernels.kda import Gate
+        from pallas_kernels.kda.ref import fused_inputs_ref
+
+        out = {}
+        gen = torch.Generator(device=dev).manual_seed(B * T + H)
+        scale_rows = lambda x: (x.float() * (0.2 + 5.8 * torch.rand(B, T, H, 1, device=dev, generator=gen))).to(x.dtype)
+        qr, kr = scale_rows(torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)), scale_rows(
+            torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16))
+        f = (torch.randn(B, T, H, 128, device=dev, generator=gen) * 2).to(torch.bfloat16)
+        a_log, dt_bias = torch.randn(H, device=dev, generator=gen), torch.randn(H * 128, device=dev, generator=gen)
+        gate = Gate(t2j(a_log), t2j(dt_bias), lower_bound)
+        # arguments, not closed-over arrays (those would be baked into the executables as constants)
+        j = [t2j(t) for t in (qr, kr)] + [jin[2], t2j(f), jin[4], jin[5]]
+        fused = jax.jit(lambda q, k, v, f, beta, h0, gate: kda_chunk(q, k, v, f, beta, initial_state=h0, gate=gate,
+                                                                     qk_l2norm=True, impl="pallas"))
+
+        @jax.jit
+        def xla(q, k, v, f, beta, h0, gate):  # the model's path without the fusion: XLA's gate and norm first
+            q, k, g = fused_inputs_ref(q, k, f, gate, True)
+            return kda_chunk(q, k, v, g, beta, initial_state=h0, impl="pallas")
+
+        try:
+            a, b = fused(*j, gate), xla(*j, gate)
+            out["rel_err_fused_vs_xla_inputs"] = rel(a[0], b[0])
+            out["rel_err_state_fused_vs_xla_inputs"] = rel(a[1], b[1])
+            del a, b
+            out["fused_inputs_ms"] = jax_ms(lambda: ([fused(*j, gate) for _ in range(R)], R))
+            out["xla_inputs_ms"] = jax_ms(lambda: ([xla(*j, gate) for _ in range(R)], R))
+        except Exception as e:
+            out["fused_inputs_error"] = repr(e)[:400]
+            traceback.print_exc()
+        if fla is not None:
+            try:
+                ff = lambda: fla[0](qr, kr, tin[2], f, tin[4], initial_state=tin[5], output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True,
+                                    lower_bound=lower_bound, A_log=a_log, dt_bias=dt_bias)
+                out["fla_fused_inputs_ms"] = do_bench(ff, warmup=10, rep=100, return_mode="median")
+            except Exception as e:
+                out["fla_fused_inputs_error"] = repr(e)[:400]
+        return out
 
     rows = []
     res["results"] = rows
@@ -493,6 +544,8 @@ def main(argv=None):
                 return out, R
 
             ours = jax_ms(run)
+            if args.fused_inputs:
+                row.update(fused_inputs_row(jin, (q, k, v, g, beta, h0), B, T, H, R))
             # split: the XLA intra-chunk prep vs the Mosaic GPU sequential kernel
             cu = jnp.arange(B + 1, dtype=jnp.int32) * T
             pk = lambda x: x.reshape((1, B * T) + x.shape[2:])
@@ -551,6 +604,10 @@ def main(argv=None):
             print(f"prefill {sh['batch']}x{sh['T']}x{sh['heads']}: prep {g('prep_ms')} / v4 unrolled "
                   f"{g('prep_unrolled_ms')} ms, inter vt64 {g('inter_vt64_ms')} / vt32 {g('inter_vt32_ms')} ms "
                   f"(default vt {r.get('inter_vt')})")
+            if "fused_inputs_ms" in r or "fused_inputs_error" in r:
+                print(f"  gate + L2 norm in the prep kernel {g('fused_inputs_ms')} ms vs in XLA first "
+                      f"{g('xla_inputs_ms')} ms, fla fused {g('fla_fused_inputs_ms')} ms (err "
+                      f"{r.get('rel_err_fused_vs_xla_inputs', r.get('fused_inputs_error'))})")
         if r["op"] == "decode" and "profile" in r:
             sh, p = r["shape"], r["profile"]
             g = lambda x, fmt="{:.1f}": "-" if x is None else fmt.format(x)

@@ -151,6 +151,54 @@ def test_ragged_mixed_batch_equals_each_alone(tiny):
         np.testing.assert_allclose(np.asarray(st_all.kv.pages)[pg], np.asarray(st.kv.pages)[pg], atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_fused_inputs_give_the_same_step(tiny, monkeypatch, dtype):
+    """`model.kda.PREFILL_FUSED_INPUTS` (the prefill segment's L2 norm and gate left to the chunk
+    entry point, which the GPU prep kernel fuses; on the CPU `ref.fused_inputs_ref` computes them)
+    is the same model: a mixed step (decodes, a fresh and a continued prefill) gives the same logits
+    and states (to f32 rounding) and the same greedy tokens, in f32 and bf16."""
+    import dataclasses
+
+    from k3jax.model import kda as kda_model
+
+    cfg = dataclasses.replace(tiny[0], dtype=dtype)
+    params = tiny[1] if dtype == "float32" else init_params(cfg, 0)
+    rng = np.random.default_rng(3)
+    ctx = {1: rng.integers(0, cfg.vocab_size, 30).tolist(), 2: rng.integers(0, cfg.vocab_size, 9).tolist()}
+    new = {1: [7], 2: [3], 3: rng.integers(0, cfg.vocab_size, 41).tolist(), 4: rng.integers(0, cfg.vocab_size, 12).tolist()}
+    first = {1: 1, 2: 5, 3: 12, 4: 20}
+    ctx[4] = rng.integers(0, cfg.vocab_size, 17).tolist()  # 4 continues a cached context
+
+    chunk_pool, fused_calls = kda_model.kda_kernels.kda_chunk_pool, []
+
+    def spy(*a, **kw):  # the real entry point, recording whether the layer handed it the fused inputs
+        fused_calls.append(kw.get("gate") is not None and kw.get("qk_l2norm", False))
+        return chunk_pool(*a, **kw)
+
+    monkeypatch.setattr(kda_model.kda_kernels, "kda_chunk_pool", spy)
+
+    def go(fused):
+        monkeypatch.setattr(kda_model, "PREFILL_FUSED_INPUTS", fused)
+        step.clear_cache()  # the switch is read at trace time
+        fused_calls.clear()
+        state = fresh_state(cfg)
+        for s in (1, 2, 4):
+            _, state = run(params, cfg, state, prefill=[SeqWork(ctx[s], 0, s, pages_for(first[s], len(ctx[s]) + 1))],
+                           D=2, P=64, NP=2)
+        work = lambda s: SeqWork(new[s], len(ctx.get(s, [])), s, pages_for(first[s], len(ctx.get(s, [])) + len(new[s])))
+        out = run(params, cfg, state, decode=[work(1), work(2)], prefill=[work(3), work(4)], D=2, P=64, NP=2)
+        assert fused_calls and set(fused_calls) == {fused}  # (traced once per step shape and KDA layer)
+        return out
+
+    (plain, st_p), (fused, st_f) = go(False), go(True)
+    tol = 1e-4  # (XLA fuses the gate differently: f32 rounding, which this random model amplifies)
+    for a, b in zip(fused, plain):
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+        assert np.argmax(a) == np.argmax(b)
+    np.testing.assert_allclose(np.asarray(st_f.recurrent.ssm, np.float32), np.asarray(st_p.recurrent.ssm, np.float32),
+                               rtol=0, atol=tol * float(np.abs(np.asarray(st_p.recurrent.ssm)).max()))
+
+
 def test_no_recompilation_after_warmup(tiny):
     cfg, params = tiny
     buckets = Buckets(decode=(2,), tokens=(64,), max_prefill_seqs=2, pages_per_seq=PPS)

@@ -233,15 +233,106 @@ def test_prep_kernel_in_interpret_mode(prep):
     got = mgpu.chunk_operands(*args, scale=None, interpret=True, prep=prep)
     with jax.default_matmul_precision("highest"):
         want = mgpu.chunk_operands(*args, scale=None, prep="xla")
+    _assert_operands_close(got, want)
+
+
+def _assert_operands_close(got, want):
+    """The prep kernel's chunk operands (`mgpu.chunk_operands`) against the XLA prep's, over the live
+    chunks of the sequences [5, 0, 64, 70]: chunk boxes on multiples of 8 rows, so sequences 3 and 4
+    start at rows 5 and 69 and take 2 chunks each (the first with 5 rows of the previous sequence,
+    zeroed), then one chunk of padding tokens (zero operands)."""
     live = np.asarray(got[-1]) > 0
-    # chunk boxes on multiples of 8 rows: sequences 3 and 4 start at rows 5 and 69, so 64 and 70
-    # tokens take 2 chunks each (the first with 5 rows of the previous sequence, zeroed); then one
-    # chunk of padding tokens (zero operands)
     assert live.sum() == 6
     for name, a, b in zip(("w", "qg", "kdT", "aqk", "u0", "gl"), got[:6], want[:6]):
         a, b = (np.asarray(x.astype(jnp.float32), np.float64)[live] for x in (a, b))
         assert np.isfinite(a).all(), name
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2, name
+
+
+def _fused_inputs(rng, lead, H, HV, K, V, lower_bound):
+    """Raw inputs of a chunk that fuses the gate and the L2 norm: q, k of assorted row lengths, the
+    gate logits f (bf16, as the model's projection gives them) and the `Gate`."""
+    from pallas_kernels.kda import Gate
+
+    q, k, v, _, beta = inputs(rng, lead, H, HV, K, V)
+    q = q * jnp.asarray(rng.uniform(0.2, 6, size=lead + (H, 1)), jnp.float32)
+    k = k * jnp.asarray(rng.uniform(0.2, 6, size=lead + (H, 1)), jnp.float32)
+    f = jnp.asarray(rng.normal(size=lead + (HV, K)) * 2, jnp.bfloat16)
+    gate = Gate(jnp.asarray(rng.normal(size=HV), jnp.float32), jnp.asarray(rng.normal(size=HV * K), jnp.float32),
+                lower_bound)
+    return q, k, v, f, beta, gate
+
+
+def _gate_numpy(f, gate):
+    """The log decay from the logits in float64 numpy (an independent check of `ref.kda_gate_ref`)."""
+    HV, K = f.shape[-2:]
+    x = np.asarray(f, np.float64) + np.asarray(gate.dt_bias, np.float64).reshape(HV, K)
+    a = np.exp(np.asarray(gate.a_log, np.float64))[:, None]
+    if gate.lower_bound is None:
+        return -a * np.logaddexp(0.0, x)
+    return gate.lower_bound / (1.0 + np.exp(-a * x))
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_prep_kernel_fuses_gate_and_l2norm(lower_bound):
+    """The Mosaic GPU prep kernel with the gate and the L2 norm fused (`gate=`, `qk_l2norm=True`: it
+    loads bf16 gate logits and raw q, k), in Mosaic GPU interpret mode, gives the chunk operands of
+    the XLA prep on the gate and the norms computed first (`ref.fused_inputs_ref`), for both gate
+    forms; NaN padding tokens stay masked."""
+    from pallas_kernels.kda import mgpu
+    from pallas_kernels.kda.ref import fused_inputs_ref
+
+    rng = np.random.default_rng(11)
+    lens = [5, 0, 64, 70]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    T, H, HV, K, V = int(cu[-1]) + 3, 1, 2, 64, 64
+    q, k, v, f, beta, gate = _fused_inputs(rng, (1, T), H, HV, K, V, lower_bound)
+    q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+    q, k, v, f, beta = (x.at[:, int(cu[-1]):].set(jnp.nan) for x in (q, k, v, f, beta))
+    got = mgpu.chunk_operands(q, k, v, f, beta, None, cu, scale=None, interpret=True, gate=gate, qk_l2norm=True)
+    qr, kr, gr = fused_inputs_ref(q, k, f, gate, True)
+    np.testing.assert_allclose(np.asarray(gr[0, :5]), _gate_numpy(f[0, :5], gate), rtol=1e-5, atol=1e-6)
+    with jax.default_matmul_precision("highest"):
+        want = mgpu.chunk_operands(qr, kr, v, gr, beta, None, cu, scale=None, prep="xla")
+    _assert_operands_close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["xla", IMPL])
+def test_chunk_entry_points_fuse_gate_and_l2norm(impl):
+    """`kda_chunk` and `kda_chunk_pool` with `gate=` and `qk_l2norm=True` (what the GPU prep kernel
+    fuses; here computed first) against the token recurrence on the gate and norms computed in
+    float64 numpy, varlen with an empty sequence, with a snapshot, and in the pool by slot."""
+    from pallas_kernels.kda import kda_chunk_pool
+
+    rng = np.random.default_rng(12)
+    lens = [3, 0, 70]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    N, T, H, HV, K, V = len(lens), int(cu[-1]), 1, 2, 16, 8
+    q, k, v, f, beta, gate = _fused_inputs(rng, (1, T), H, HV, K, V, -5.0)
+    h0 = jnp.asarray(rng.normal(size=(N, HV, K, V)) * 0.1, jnp.float32)
+    gn = jnp.asarray(_gate_numpy(f, gate), jnp.float32)
+    qn, kn = (jnp.asarray(l2(np.asarray(x, np.float64)), jnp.float32) for x in (q, k))
+    want_o, want_h = [], []
+    for i in range(N):
+        s = slice(int(cu[i]), int(cu[i + 1]))
+        o_i, h_i = kda_recurrent_ref(qn[:, s], kn[:, s], v[:, s], gn[:, s], beta[:, s], initial_state=h0[i:i + 1])
+        want_o.append(o_i)
+        want_h.append(h_i[0])
+    want_o = jnp.concatenate(want_o, axis=1)
+    o, ht, snap = kda_chunk(q, k, v, f, beta, initial_state=h0, cu_seqlens=cu, snapshot_at=jnp.asarray([1, -1, 64]),
+                            gate=gate, qk_l2norm=True, impl=impl)
+    close(o, want_o, 1e-4)
+    for i in range(N):
+        close(ht[i], want_h[i], 1e-4)
+    _, want_snap = kda_recurrent_ref(qn[:, 3:67], kn[:, 3:67], v[:, 3:67], gn[:, 3:67], beta[:, 3:67],
+                                     initial_state=h0[2:3])
+    close(snap[2], want_snap[0], 1e-4)
+    pool = jnp.zeros((5, 2, HV, K, V), jnp.float32).at[jnp.asarray([4, 0, 2]), 1].set(h0)
+    o, p = kda_chunk_pool(q, k, v, f, beta, pool, jnp.asarray([4, 0, 2]), layer=1, cu_seqlens=cu, gate=gate,
+                          qk_l2norm=True, impl=impl)
+    close(o, want_o, 1e-4)
+    for i, sl in enumerate([4, 0, 2]):
+        close(p[sl, 1], want_h[i], 1e-4)
 
 
 @pytest.fixture
@@ -259,6 +350,27 @@ def lowered_modules(monkeypatch):
 
     monkeypatch.setattr(mgpu_core, "_run_serde_pass", record)
     return texts
+
+
+def test_fused_prep_reads_logits_not_g(lowered_modules):
+    """Lowered for CUDA, the prep kernel with the gate and the L2 norm fused reads the bf16 gate
+    logits (no f32 [R, HV, K] input: g is never materialised) and normalises q and k itself (rsqrt,
+    one per row of each); without them it reads the f32 log decay."""
+    from pallas_kernels.kda import Gate, mgpu
+
+    sd = jax.ShapeDtypeStruct
+    H, HV, K, V, T = 2, 4, 128, 128, 203
+    bf = jnp.bfloat16
+    g_in = f"memref<208x{HV}x{K}x"  # the g / logits input, rows padded to a multiple of 8
+    for fused in (False, True):
+        kw = {"gate": Gate(jnp.zeros(HV), jnp.zeros(HV * K)), "qk_l2norm": True} if fused else {}
+        lowered_modules.clear()
+        _export_cuda(functools.partial(mgpu.chunk, scale=K**-0.5, **kw), sd((1, T, H, K), bf), sd((1, T, H, K), bf),
+                     sd((1, T, HV, V), bf), sd((1, T, HV, K), bf if fused else jnp.float32), sd((1, T, HV), bf),
+                     sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
+        prep = next(t for t in lowered_modules if "kda_chunk_prep_mgpu" in t)
+        assert (g_in + "f32>" in prep) != fused  # (v is the other bf16 [208, 4, 128] input)
+        assert ("rsqrt" in prep) == fused
 
 
 @pytest.mark.parametrize("vt,tiles,auto_barriers", [(64, 1, True), (32, 4, True), (64, 2, True), (64, None, True),
@@ -399,7 +511,7 @@ def _export_cuda(f, *args):
 
 def test_mosaic_gpu_kernels_lower_for_cuda():
     """Lowering only (no GPU): the plgpu kernels trace and lower to the Mosaic GPU custom call."""
-    from pallas_kernels.kda import mgpu
+    from pallas_kernels.kda import Gate, mgpu
 
     sd = jax.ShapeDtypeStruct
     N, H, HV, K, V = 4, 2, 4, 128, 128
@@ -436,7 +548,9 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
                      sd((3, HV, K, V), jnp.float32), sd((4,), jnp.int32))
     assert "mosaic_gpu" in e.mlir_module()
     apis = ["scatter"] + ([] if mgpu._pallas_call_available() else ["ref"])
-    for api, kw in itertools.product(apis, ({}, {"snapshot_at": snap, "snapshot_slots": jnp.array([4, 5, 6])})):
+    gate = {"gate": Gate(jnp.zeros(HV), jnp.zeros(HV * K), -5.0), "qk_l2norm": True}
+    for api, kw in [*itertools.product(apis, ({}, {"snapshot_at": snap, "snapshot_slots": jnp.array([4, 5, 6])})),
+                    (apis[-1], gate)]:
         cp = functools.partial(mgpu.chunk_pool, layer=1, scale=K**-0.5, api=api, **kw)
         e = _export_cuda(cp, *qkvgb, sd((8, 2, HV, K, V), jnp.float32), sd((3,), jnp.int32), sd((3,), bool),
                          sd((4,), jnp.int32))
@@ -569,7 +683,7 @@ def test_entry_points_reject_bad_arguments(impl):
     on this CPU): shapes, heads, the pool's shape and dtype, a layer past the pool's, slots out of
     range or repeated (the kernels would read and write another request's rows), bad cu_seqlens; a
     ValueError that names the entry point and the argument. A good call still runs (impl xla)."""
-    from pallas_kernels.kda import kda_chunk_pool
+    from pallas_kernels.kda import Gate, kda_chunk_pool
     from pallas_kernels.kda.spec import Capture, kda_fold, kda_verify
     from pallas_kernels.kda.spec_kernels import fold_pool
 
@@ -605,6 +719,12 @@ def test_entry_points_reject_bad_arguments(impl):
         (lambda: cp(qc, kc, vc, gc, bc, pool, jnp.asarray([0, 7]), layer=0, cu_seqlens=cu), "slots must lie in"),
         (lambda: cp(qc, kc, vc, gc, bc, pool, slots, layer=0, cu_seqlens=cu, snapshot_at=jnp.asarray([1, -1]),
                     snapshot_slots=jnp.asarray([4, 9])), "snapshot_slots must lie in"),
+        (lambda: chunk(qc, kc, vc, gc, bc, cu_seqlens=cu, gate=Gate(jnp.zeros(HV + 1), jnp.zeros(HV * K))),
+         "kda_chunk: gate.a_log must have shape \\(2,\\)"),
+        (lambda: cp(qc, kc, vc, gc, bc, pool, slots, layer=0, cu_seqlens=cu, gate=Gate(jnp.zeros(HV), jnp.zeros(K))),
+         "kda_chunk_pool: gate.dt_bias must have shape"),
+        (lambda: chunk(qc, kc, vc, gc, bc, cu_seqlens=cu, gate=Gate(jnp.zeros(HV), jnp.zeros(HV * K), 5.0)),
+         "gate.lower_bound must be a negative number"),
     ]
     qv, kv, vv, gv, bv = inputs(rng, (N, T), H, HV, K, V)
     S0 = jnp.zeros((N, HV, K, V), jnp.float32)

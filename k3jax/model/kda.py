@@ -23,6 +23,15 @@ from k3jax.model.context import StepContext
 from k3jax.state import RecurrentPool
 from pallas_kernels import kda as kda_kernels
 from pallas_kernels.kda import spec as kda_spec
+from pallas_kernels.kda.ref import Gate, kda_gate_ref, l2norm
+
+
+# The prefill segment's L2 norm of q, k and its gate computed inside the chunk kernel
+# (`kda_chunk_pool(..., gate=, qk_l2norm=True)`: the Mosaic GPU prep kernel reads the raw conv
+# outputs and the bf16 gate logits, so normalised q, k and the f32 g of every prefill token are never
+# written). Only on the single-device in-place pool path; decode and verify tokens always take them
+# from XLA. Off until measured on the H200 (bench/NOTES.md, session 13): read at trace time.
+PREFILL_FUSED_INPUTS = False
 
 
 @jax.tree_util.register_dataclass
@@ -47,16 +56,12 @@ class KDAParams:  # stacked over KDA layers (leading dim L)
 def kda_gate(f: jax.Array, p: KDAParams, cfg: ModelConfig) -> jax.Array:
     """Log decay g [T, H, K] (f32, <= 0) from the forget-gate logits f [T, H*K]."""
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
-    x = (f.astype(jnp.float32) + p.dt_bias.astype(jnp.float32)).reshape(-1, H, K)
-    a = jnp.exp(p.a_log.astype(jnp.float32))[:, None]  # [H, 1]
-    if cfg.kda_gate == "safe":
-        return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a * x)
-    return -a * jax.nn.softplus(x)
+    return kda_gate_ref(f.reshape(-1, H, K), gate_params(p, cfg))
 
 
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+def gate_params(p: KDAParams, cfg: ModelConfig) -> Gate:
+    """This layer's forget gate as the kernels take it (`pallas_kernels.kda.ref.Gate`)."""
+    return Gate(p.a_log, p.dt_bias, cfg.kda_gate_lower_bound if cfg.kda_gate == "safe" else None)
 
 
 def group_channels(x: jax.Array, groups: int, H: int, K: int) -> jax.Array:
@@ -131,13 +136,18 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         q, k, v = jnp.split(ungroup_channels(qkv, G, H, K).reshape(T, 3, H, K), 3, axis=1)
         if G > 1:
             q, k, v = (shard.constrain(a, (None, None, "kda_heads", None)) for a in (q, k, v))
+        q_raw, k_raw, v = q[:, 0], k[:, 0], v[:, 0]
+        f = proj(proj(x, p.f_a), p.f_b)
+        # the prefill segment's L2 norm and gate in the chunk kernel (`PREFILL_FUSED_INPUTS`): XLA
+        # computes them for the decode / verify tokens only
+        fused = PREFILL_FUSED_INPUTS and shard is None and pool.in_place and T > ndt
+        nx = ndt if fused else T
         # k in the activation dtype for every kernel: a verify capture stores it so, and the fold
         # replays exactly the values verify used
         with jax.named_scope("qk_norm"):  # own scopes: the profile shows what fusing them into the kernels would save
-            q, k, v = l2norm(q[:, 0]), l2norm(k[:, 0]).astype(x.dtype), v[:, 0]
-        f = proj(proj(x, p.f_a), p.f_b)
+            q, k = l2norm(q_raw[:nx]), l2norm(k_raw[:nx]).astype(x.dtype)
         with jax.named_scope("gate"):
-            g = kda_gate(f, p, cfg)  # [T, H, K]
+            g = kda_gate(f[:nx], p, cfg)  # [nx, H, K]
         beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]
 
     outs = []
@@ -176,7 +186,12 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         if T > ndt:
             slots_p = ctx.seq_slot[nd:]
             seg = lambda a: a[None, ndt:]
-            if shard is None and pool.in_place:  # the kernel reads and writes the states by slot
+            if fused:  # from the raw q, k and the gate logits
+                o_p, ssm = kda_kernels.kda_chunk_pool(
+                    seg(q_raw), seg(k_raw), seg(v), seg(f.reshape(T, H, K)), seg(beta), pool.ssm, slots_p, layer=layer,
+                    cu_seqlens=ctx.prefill_cu, reset=fresh[nd:], impl=impl, gate=gate_params(p, cfg), qk_l2norm=True)
+                pool = dataclasses.replace(pool, ssm=ssm)
+            elif shard is None and pool.in_place:  # the kernel reads and writes the states by slot
                 o_p, ssm = kda_kernels.kda_chunk_pool(seg(q), seg(k), seg(v), seg(g), seg(beta), pool.ssm, slots_p,
                                                       layer=layer, cu_seqlens=ctx.prefill_cu, reset=fresh[nd:],
                                                       impl=impl)

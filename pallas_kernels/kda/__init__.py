@@ -6,8 +6,9 @@ state `[B, HV, K, V]` f32; HV is a multiple of H (value head `h` reads q/k head 
 See `ref.py` for the recurrence. Outputs are f32.
 
 Entry points, `impl` in "xla" | "pallas" | "pallas_interpret" | "auto" (`pallas_kernels.dispatch`):
-- `kda_chunk(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, impl)` -> (o, final_state):
-  chunked prefill, dense `[B, T]` or varlen packed (`B == 1` with `cu_seqlens [N+1]`).
+- `kda_chunk(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, impl, gate, qk_l2norm)` -> (o,
+  final_state): chunked prefill, dense `[B, T]` or varlen packed (`B == 1` with `cu_seqlens [N+1]`);
+  optionally the gate (g = logits, `Gate`) and the q/k L2 norm computed inside.
 - `kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset, snapshot_at,
   snapshot_slots, scale, impl)` -> (o, pool): varlen prefill with the states read from and written
   to the recurrent pool by slot (and optional snapshots at a given token into other slots).
@@ -26,7 +27,9 @@ import numpy as np
 from pallas_kernels.dispatch import IMPLS, resolve_impl
 from pallas_kernels.kda import checks
 from pallas_kernels.kda.ref import (
+    Gate,
     _state0,
+    fused_inputs_ref,
     kda_chunk_ref,
     kda_chunk_varlen_ref,
     kda_decode_ref,
@@ -34,7 +37,7 @@ from pallas_kernels.kda.ref import (
 )
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 
-__all__ = ["IMPLS", "kda_chunk", "kda_chunk_pool", "kda_chunk_ref", "kda_decode", "kda_recurrent_ref"]
+__all__ = ["IMPLS", "Gate", "kda_chunk", "kda_chunk_pool", "kda_chunk_ref", "kda_decode", "kda_recurrent_ref"]
 
 
 def _dense_to_varlen(q, k, v, g, beta, initial_state):
@@ -46,15 +49,25 @@ def _dense_to_varlen(q, k, v, g, beta, initial_state):
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None, impl="xla", chunk_size=CHUNK,
-              snapshot_at=None):
+              snapshot_at=None, gate=None, qk_l2norm=False):
     """Chunked KDA prefill. Dense `[B, T]`, or varlen packed `[1, T]` with `cu_seqlens [N+1]`
     (then `initial_state` / `final_state` are `[N, HV, K, V]`). Returns (o f32, final_state f32).
+
+    gate (`Gate`): g holds the forget-gate logits and the log decay is computed from them;
+    qk_l2norm: q and k come un-normalised and are L2-normalised here (flash-linear-attention's
+    `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`). The Mosaic GPU prep kernel does both on its
+    loaded tiles (g, and normalised q and k, are never written out); the other implementations
+    compute them first with `ref.fused_inputs_ref`.
 
     snapshot_at `[N]` int (N = B when dense): also return the state after the first snapshot_at[i]
     tokens of sequence i (clipped to its length; rows with snapshot_at < 0 are zero), as a third
     output `[N, HV, K, V]` f32. The Mosaic GPU kernel ends a chunk at that token and stores the
     state there; the other implementations run the sequences' two parts one after the other."""
     N = _check_chunk("kda_chunk", q, k, v, g, beta, initial_state, cu_seqlens)
+    checks.gate("kda_chunk", gate, v.shape[-2], q.shape[-1])
+    if (gate is not None or qk_l2norm) and not _fuses(impl, q.shape[-1], v.shape[-1], chunk_size):
+        q, k, g = fused_inputs_ref(q, k, g, gate, qk_l2norm)
+        gate, qk_l2norm = None, False
     if q.shape[1] == 0:  # no tokens: nothing to run
         h0 = _state0(initial_state, (N, v.shape[-2], q.shape[-1], v.shape[-1]))
         o = jnp.zeros(v.shape, jnp.float32)
@@ -63,7 +76,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
         return o, h0, jnp.where((jnp.asarray(snapshot_at) >= 0)[:, None, None, None], h0, 0.0)
     if snapshot_at is not None:
         return _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size,
-                                    jnp.asarray(snapshot_at, jnp.int32))
+                                    jnp.asarray(snapshot_at, jnp.int32), gate, qk_l2norm)
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_chunk")
     if auto and impl == "pallas" and not (_gpu_shapes_ok(q.shape[-1], v.shape[-1]) and chunk_size == CHUNK):
@@ -90,14 +103,16 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=No
             raise NotImplementedError(f"the Mosaic GPU chunk kernel uses chunk {CHUNK}")
         from pallas_kernels.kda import mgpu
 
-        o, ht = mgpu.chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale)
+        o, ht = mgpu.chunk(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, gate=gate, qk_l2norm=qk_l2norm)
     if dense:
         o = o.reshape((B, T) + o.shape[2:])
     return o, ht
 
 
-def _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size, snapshot_at):
-    """`kda_chunk` with `snapshot_at` -> (o, final_state, snapshot_state)."""
+def _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, impl, chunk_size, snapshot_at,
+                         gate=None, qk_l2norm=False):
+    """`kda_chunk` with `snapshot_at` -> (o, final_state, snapshot_state). gate / qk_l2norm only
+    where the Mosaic GPU kernel fuses them (`kda_chunk` computes them first for the others)."""
     B, T = q.shape[:2]
     dense = cu_seqlens is None
     if dense:
@@ -112,7 +127,7 @@ def _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, imp
         from pallas_kernels.kda import mgpu
 
         o, ht, snap = mgpu.chunk(q, k, v, g, beta, initial_state, cu, scale=K**-0.5 if scale is None else scale,
-                                 snapshot_at=snapshot_at)
+                                 snapshot_at=snapshot_at, gate=gate, qk_l2norm=qk_l2norm)
     else:  # each sequence as two segments, run twice: the first parts' final states are the snapshots
         a = jnp.clip(snapshot_at, 0, cu[1:] - cu[:-1])
         seg = jnp.concatenate([jnp.stack([cu[:-1], cu[:-1] + a], 1).reshape(-1), cu[N:]])
@@ -133,12 +148,12 @@ def _chunk_with_snapshot(q, k, v, g, beta, scale, initial_state, cu_seqlens, imp
 
 
 def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=None, snapshot_at=None,
-                   snapshot_slots=None, scale=None, impl="xla"):
+                   snapshot_slots=None, scale=None, impl="xla", gate=None, qk_l2norm=False):
     """Varlen chunked prefill with its states in the recurrent pool `[slots, L, HV, K, V]` f32:
     sequence i (packed `[1, T]`, `cu_seqlens [N+1]`) starts from `pool[slots[i], layer]` (zeros
     where `reset[i]`) and its final state is written back there; with `snapshot_at` `[N]`, the state
     after its first snapshot_at[i] tokens goes to `pool[snapshot_slots[i], layer]` (none where
-    snapshot_at < 0). Returns (o `[1, T, HV, V]` f32, pool).
+    snapshot_at < 0). Returns (o `[1, T, HV, V]` f32, pool). gate, qk_l2norm: as `kda_chunk`.
 
     "pallas": the Mosaic GPU kernel reads each state from the pool by slot and writes it back in
     place (JAX >= 0.11); the other implementations gather and scatter around `kda_chunk`."""
@@ -157,10 +172,14 @@ def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=No
     for name, x in (("reset", reset), ("snapshot_at", snapshot_at), ("snapshot_slots", snapshot_slots)):
         checks.per_sequence(op, name, x, N)
     checks.pool(op, pool, HV, K, V, layer=layer, slots=[("slots", slots), ("snapshot_slots", snapshot_slots)])
+    checks.gate(op, gate, HV, K)
     auto = impl == "auto"
     impl = resolve_impl(impl, "kda_chunk")
     if (auto and impl == "pallas" and not _gpu_shapes_ok(q.shape[-1], v.shape[-1])) or q.shape[1] == 0:
         impl = "xla"  # (no tokens: the jnp path writes the reset rows and snapshots without a launch)
+    if (gate is not None or qk_l2norm) and impl != "pallas":
+        q, k, g = fused_inputs_ref(q, k, g, gate, qk_l2norm)
+        gate, qk_l2norm = None, False
     slots = jnp.asarray(slots, jnp.int32)
     reset = jnp.zeros((N,), bool) if reset is None else jnp.asarray(reset, bool)
     cu = jnp.asarray(cu_seqlens, jnp.int32)
@@ -170,7 +189,7 @@ def kda_chunk_pool(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=No
         K = q.shape[-1]
         return mgpu.chunk_pool(q, k, v, g, beta, pool, slots, reset, cu, layer=layer,
                                scale=K**-0.5 if scale is None else scale, snapshot_at=snapshot_at,
-                               snapshot_slots=snapshot_slots)
+                               snapshot_slots=snapshot_slots, gate=gate, qk_l2norm=qk_l2norm)
     s0 = jnp.where(reset[:, None, None, None], 0.0, pool[slots, layer])
     if snapshot_at is None:
         o, ht = kda_chunk(q, k, v, g, beta, scale=scale, initial_state=s0, cu_seqlens=cu, impl=impl)
@@ -205,6 +224,11 @@ def _check_chunk(op, q, k, v, g, beta, initial_state, cu_seqlens):
 def _gpu_shapes_ok(K: int, V: int) -> bool:
     """Shapes the Mosaic GPU kernels take (K, V multiples of 64); "auto" falls back to "xla"."""
     return K % 64 == 0 and V % 64 == 0
+
+
+def _fuses(impl, K, V, chunk_size):
+    """Whether `kda_chunk` runs the Mosaic GPU kernels, which fuse the gate and the L2 norm."""
+    return resolve_impl(impl, "kda_chunk") == "pallas" and _gpu_shapes_ok(K, V) and chunk_size == CHUNK
 
 
 def kda_decode(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=None, impl="xla"):

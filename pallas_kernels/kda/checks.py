@@ -47,6 +47,21 @@ def tokens(op, q, k, v, g, beta, lead):
     return L, H, HV, K, V
 
 
+def gate(op, gate, HV, K):
+    """A `ref.Gate` for HV value heads of K channels: a_log `[HV]`, dt_bias `[HV * K]` or `[HV, K]`."""
+    if gate is None:
+        return
+    if not (hasattr(gate, "a_log") and hasattr(gate, "dt_bias")):
+        _fail(op, f"gate must be a pallas_kernels.kda.Gate (a_log, dt_bias, lower_bound), got {type(gate).__name__}")
+    if np.shape(gate.a_log) != (HV,):
+        _fail(op, f"gate.a_log must have shape ({HV},) (one per value head), got {np.shape(gate.a_log)}")
+    if np.shape(gate.dt_bias) not in ((HV * K,), (HV, K)):
+        _fail(op, f"gate.dt_bias must have shape ({HV * K},) or ({HV}, {K}), got {np.shape(gate.dt_bias)}")
+    lb = gate.lower_bound
+    if lb is not None and not (isinstance(lb, (int, float)) and lb < 0):
+        _fail(op, f"gate.lower_bound must be a negative number or None, got {lb!r}")
+
+
 def states(op, name, x, shape):
     """An `[N, HV, K, V]`-like state array of exactly `shape`."""
     if x is not None and x.shape != tuple(shape):

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda.prep import chunk_prep
+from pallas_kernels.kda.ref import fused_inputs_ref
 from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
 
 try:  # registers the pl.pallas_call lowering for Mosaic GPU where this JAX still has one
@@ -463,7 +464,19 @@ def _bf16_split(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False, loops=False):
+_L2_EPS = 1e-6  # `ref.l2norm`'s
+
+
+def _gate_rows(gate, HV, K):
+    """The gate's per-channel parameters as the prep kernel loads them: [2, HV, K] f32 (dt_bias and
+    exp(a_log) repeated over the K channels), one TMA of a head's two rows."""
+    a = jnp.exp(jnp.asarray(gate.a_log, jnp.float32))
+    db = jnp.asarray(gate.dt_bias, jnp.float32).reshape(HV, K)
+    return jnp.stack([db, jnp.broadcast_to(a[:, None], (HV, K))])
+
+
+def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=False, loops=False, gate=None,
+                     qk_l2norm=False):
     """Intra-chunk prep (`prep.chunk_prep`'s algorithm) as one Mosaic GPU kernel: one CTA (one
     warpgroup) per (chunk, value head), its inputs TMA-loaded straight from the packed tokens.
 
@@ -482,7 +495,13 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     On the tensor cores (bf16 operands, f32 accumulation): the decay sums D = S g with g split in
     two bf16 parts (S in {-1, 0, 1}: exact); the level scores in bf16 (like the inter kernel's
     operands); the solve's ten 64 x 64 products with both sides split (three wgmma each); w and
-    u0 from the bf16 inverse, as fla does."""
+    u0 from the bf16 inverse, as fla does.
+
+    gate (`ref.Gate`): g [R, HV, K] holds the gate logits (bf16 or f32) and the kernel computes the
+    log decay from them at the load (`ref.kda_gate_ref`'s formula; exp and log are approximate, as
+    every exp here), so g is neither written nor read in f32. qk_l2norm: q and k come
+    un-normalised and are L2-normalised at the load (`ref.l2norm`, rsqrt). Both as
+    flash-linear-attention's `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = ctok.shape[0]
@@ -494,9 +513,13 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     # swizzled tiles for TMA and wgmma (interpret mode simulates plain row-major SMEM)
     tiled = lambda shape, dt: {} if interpret else (_f32_tiled() if dt == f32 else _bf16_tiled(shape[-1]))
 
-    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, ctok_ref, cnum_ref, cval_ref,
-               w_ref, qg_ref, kd_ref, u0_ref, aqk_ref, gl_ref,
-               q_s, k_s, gs_s, b_s, bar, vbar):
+    fused_gate = gate is not None
+    lower_bound = gate.lower_bound if fused_gate else None
+
+    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, ctok_ref, cnum_ref, cval_ref, *refs):
+        if fused_gate:
+            gp_ref, *refs = refs
+        w_ref, qg_ref, kd_ref, u0_ref, aqk_ref, gl_ref, q_s, k_s, gs_s, b_s, bar, vbar = refs
         c = lax.axis_index("chunk")
         h = lax.axis_index("head")
         tok = ctok_ref[c]
@@ -550,22 +573,40 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
             # first, padding) -> 0, once, in place
             live = lambda n: (it((C, n), 0) >= lead) & (it((C, n), 0) < lead + cnt)
 
-            def load_g(g32):
+            def load_g(g_in, *gp_s):
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(box, C), hq], q_s, bar.at[0])
                 plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(box, C), hq], k_s, bar.at[0])
                 plgpu.copy_gmem_to_smem(b_ref.at[h, pl.ds(box, C)], b_s, bar.at[0])
-                plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(box, C), h], g32, bar.at[0])
+                plgpu.copy_gmem_to_smem(g_ref.at[pl.ds(box, C), h], g_in, bar.at[0])
+                for j, p_s in enumerate(gp_s):  # the gate's dt_bias and exp(a_log) rows of this head
+                    plgpu.copy_gmem_to_smem(gp_ref.at[j, h], p_s, bar.at[0])
                 plgpu.barrier_wait(bar.at[0])
                 lk = live(K)  # built once: index tiles cost registers and instructions
-                q_s[...] = jnp.where(lk, ld(q_s), 0.0).astype(bf)
-                k_s[...] = jnp.where(lk, ld(k_s), 0.0).astype(bf)
-                g_hi, g_lo = _bf16_split(jnp.where(lk, ld(g32), 0.0))
+                if qk_l2norm:  # x / sqrt(|x|^2 + eps) per row, in f32 (rows outside the chunk: masked below)
+                    unit = lambda x: x * _bc_rows(lax.rsqrt(jnp.sum(x * x, axis=1) + _L2_EPS), (C, K))
+                else:
+                    unit = lambda x: x
+                q_s[...] = jnp.where(lk, unit(ld(q_s)), 0.0).astype(bf)
+                k_s[...] = jnp.where(lk, unit(ld(k_s)), 0.0).astype(bf)
+                gv = ld(g_in)
+                if fused_gate:  # the log decay from the logits (rows outside the chunk: masked below)
+                    col = lambda p_s: _bc_cols(load(p_s, COL), (C, K))
+                    x = gv + col(gp_s[0])
+                    a = col(gp_s[1])
+                    if lower_bound is None:  # -a softplus(x), softplus(x) = max(x, 0) + log(1 + exp(-|x|))
+                        gv = -a * (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x))))
+                    else:  # lower_bound sigmoid(a x)
+                        gv = lower_bound / (1.0 + jnp.exp(-(a * x)))
+                g_hi, g_lo = _bf16_split(jnp.where(lk, gv, 0.0))
                 gs_s[0] = g_hi
                 gs_s[1] = g_lo
                 plgpu.commit_smem()
 
+            g_bufs = [smem((C, K), g_ref.dtype)]  # f32, or bf16 gate logits
+            if fused_gate:
+                g_bufs += [plgpu.SMEM((K,), f32), plgpu.SMEM((K,), f32)]
             with jax.named_scope("load"):
-                pl.run_scoped(load_g, smem((C, K), f32))
+                pl.run_scoped(load_g, *g_bufs)
 
             # level of each pair, plus one: 1 + the highest bit of t ^ i, 0 on the diagonal (kept
             # non-negative: these int arrays compare unsigned); level l's pairs are t > i with
@@ -699,14 +740,15 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
             plgpu.SMEM((C, K), bf, **tiled((C, K), bf)),  # k
             plgpu.SMEM((2, C, K), bf, **tiled((C, K), bf)),  # g split, then the right-hand sides
             plgpu.SMEM((C,), f32),  # beta
-            plgpu.Barrier(num_arrivals=4, num_barriers=1),
+            plgpu.Barrier(num_arrivals=6 if fused_gate else 4, num_barriers=1),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
         compiler_params=_PREP_PARAMS,
-        kernel_name="kda_chunk_prep_mgpu",
+        kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + ("_l2" if qk_l2norm else ""),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
-    return f(q, k, v, g, beta_t, ctok, cnum, cval)
+    extra = [_gate_rows(gate, HV, K)] if fused_gate else []
+    return f(q, k, v, g, beta_t, ctok, cnum, cval, *extra)
 
 
 # ---- chunked prefill -----------------------------------------------------------------------
@@ -906,16 +948,20 @@ def inter_vt(num_seqs: int, HV: int, V: int) -> int:
     return 32 if num_seqs * HV * (V // 64) < _SMS else 64
 
 
-def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop", snapshot_at=None):
+def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop", snapshot_at=None,
+          gate=None, qk_l2norm=False):
     """Varlen chunked KDA: q, k [1, T, H, K]; v [1, T, HV, V]; g [1, T, HV, K]; beta [1, T, HV];
     initial_state [N, HV, K, V] f32 (or None); cu_seqlens [N + 1] -> (o [1, T, HV, V] f32,
     final_state [N, HV, K, V] f32). prep: "mgpu_loop" (the prep kernel with its levels and Neumann
     doubling as loops: v6, the default), "mgpu" (the same kernel unrolled: v4, 2.4x slower on the
     H200) or "xla" (`prep.chunk_prep`). vt: the inter kernel's V tile (None: `inter_vt`).
     snapshot_at [N] int: also return the state after the first snapshot_at[i] tokens of sequence i
-    ([N, HV, K, V]; rows with snapshot_at < 0 are zero): the chunk before that token ends there."""
+    ([N, HV, K, V]; rows with snapshot_at < 0 are zero): the chunk before that token ends there.
+    gate (`ref.Gate`: g holds the gate logits) and qk_l2norm (q, k un-normalised): computed by the
+    prep kernel on its tiles (`_chunk_prep_call`)."""
     N = cu_seqlens.shape[0] - 1
-    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at)
+    ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
+                         gate=gate, qk_l2norm=qk_l2norm)
     vt = inter_vt(N, v.shape[-2], v.shape[-1]) if vt is None else vt
     res = _chunk_inter_call(*ops, q.shape[1], vt=vt, snap=snapshot_at is not None)
     if snapshot_at is None:
@@ -925,20 +971,20 @@ def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="
 
 
 def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale, snapshot_at=None,
-               snapshot_slots=None, vt=None, prep="mgpu_loop", api=None):
+               snapshot_slots=None, vt=None, prep="mgpu_loop", api=None, gate=None, qk_l2norm=False):
     """`chunk` with the states in the recurrent pool [S, L, HV, K, V] f32: sequence i starts from
     pool[slots[i], layer] (zeros where reset[i]) and its final state goes back there; with
     snapshot_at, the state after its first snapshot_at[i] tokens goes to pool[snapshot_slots[i],
     layer] (rows with snapshot_at < 0: none). The kernel reads the states from the pool by row and
     (api "ref", JAX >= 0.11) writes them in place: no gather or scatter around it. api "scatter"
     (JAX 0.10, no Mosaic GPU lowering of a JAX Ref): the kernel returns the states and XLA scatters
-    them. -> (o [1, T, HV, V] f32, pool)."""
+    them. gate, qk_l2norm: as `chunk`. -> (o [1, T, HV, V] f32, pool)."""
     N = cu_seqlens.shape[0] - 1
     S_, L, HV, K, V = pool.shape
     api = api or ("scatter" if _pallas_call_available() else "ref")
     snap = snapshot_at is not None
     ops = chunk_operands(q, k, v, g, beta, None, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
-                         states=False)
+                         states=False, gate=gate, qk_l2norm=qk_l2norm)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     row = lambda sl: (i32(sl) * L + layer) * HV
     none = jnp.full((1,), -1, jnp.int32)  # the padding sequence reads zeros and writes nothing
@@ -959,13 +1005,14 @@ def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale
 
 
 def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False,
-                   snapshot_at=None, states=True):
+                   snapshot_at=None, states=True, gate=None, qk_l2norm=False):
     """The part of `chunk` before the sequential kernel: the chunk table and the intra-chunk prep
     -> the operands of `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum).
     interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests). snapshot_at [N]: each
     sequence is two segments (its first snapshot_at[i] tokens, the rest), so a chunk ends at the
     snapshot token; ccu then indexes the 2 (N + 1) segments. states=False: h0 is None (the pool
-    form of the inter kernel reads the states itself)."""
+    form of the inter kernel reads the states itself). gate / qk_l2norm: the prep kernel computes the
+    log decay from the logits g and normalises q and k (prep "xla": `ref.fused_inputs_ref` first)."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     N = cu_seqlens.shape[0] - 1
@@ -994,11 +1041,14 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
         pad = (-T % _ALIGN) + (C if interpret else 0)
         rows = lambda x, dt: jnp.pad(x[0].astype(dt), [(0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x[0].astype(dt)
         beta_t = jnp.swapaxes(rows(beta, jnp.float32), 0, 1)
+        # gate logits stay in their dtype (bf16 from the model's projection: half the bytes of g)
+        gdt = bf if gate is not None and g.dtype == bf else jnp.float32
         w, qg, kd, u0, aqk, gl = _chunk_prep_call(
-            rows(q, bf), rows(k, bf), rows(v, bf), rows(g, jnp.float32), beta_t, ctok, cnum, cval, scale=scale,
-            interpret=interpret, loops=prep == "mgpu_loop",
+            rows(q, bf), rows(k, bf), rows(v, bf), rows(g, gdt), beta_t, ctok, cnum, cval, scale=scale,
+            interpret=interpret, loops=prep == "mgpu_loop", gate=gate, qk_l2norm=qk_l2norm,
         )
     elif prep == "xla":
+        q, k, g = fused_inputs_ref(q, k, g, gate, qk_l2norm)
         idx = jnp.clip(tab.token_idx, 0, T - 1)
         Gq = HV // H
 

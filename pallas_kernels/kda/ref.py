@@ -11,15 +11,67 @@ Per value head and token, with `scale` applied to q (default K**-0.5):
 
 All math is f32; outputs are f32. These functions are also the `impl="xla"` path of the entry
 points in `pallas_kernels.kda`.
+
+The inputs' own producers, which the chunk kernel can fuse (flash-linear-attention's
+`use_gate_in_kernel` and `use_qk_l2norm_in_kernel`): `kda_gate_ref` (the log decay from the
+forget-gate logits, `Gate`) and `l2norm`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 from pallas_kernels.varlen import chunk_table
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """KDA's forget gate, for the entry points that compute it themselves (`kda_chunk(...,
+    gate=)`): g then holds the gate logits f `[.., HV, K]` (any float dtype) and the log decay is
+
+        -exp(a_log) * softplus(f + dt_bias)                       (lower_bound None: Kimi-Linear)
+        lower_bound * sigmoid(exp(a_log) * (f + dt_bias))         (K3's "safe" gate, in [lb, 0))
+
+    a_log `[HV]` and dt_bias `[HV * K]` (or `[HV, K]`), f32. A pytree (lower_bound static)."""
+
+    a_log: jax.Array
+    dt_bias: jax.Array
+    lower_bound: float | None = None
+
+
+jax.tree_util.register_dataclass(Gate, data_fields=["a_log", "dt_bias"], meta_fields=["lower_bound"])
+
+
+def kda_gate_ref(f: jax.Array, gate: Gate) -> jax.Array:
+    """The log decay g `[.., HV, K]` f32 (<= 0) from the gate logits f `[.., HV, K]`."""
+    HV, K = f.shape[-2:]
+    x = f.astype(jnp.float32) + gate.dt_bias.astype(jnp.float32).reshape(HV, K)
+    a = jnp.exp(gate.a_log.astype(jnp.float32))[:, None]  # [HV, 1]
+    if gate.lower_bound is not None:
+        return gate.lower_bound * jax.nn.sigmoid(a * x)
+    return -a * jax.nn.softplus(x)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / ||x|| over the last axis, in f32."""
+    xf = x.astype(jnp.float32)
+    return xf / jnp.sqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def fused_inputs_ref(q, k, g, gate: Gate | None, qk_l2norm: bool):
+    """What a chunk kernel that fuses the gate and the L2 norm computes before the recurrence: g the
+    log decay where gate is given; where qk_l2norm, q and k L2-normalised, q in f32 and k rounded to
+    its own dtype (as the model's KDA layer feeds every kernel: a verify capture stores k so; the GPU
+    kernels round both to bf16 operands anyway)."""
+    if gate is not None:
+        g = kda_gate_ref(g, gate)
+    if qk_l2norm:
+        q, k = l2norm(q), l2norm(k).astype(k.dtype)
+    return q, k, g
 
 
 def _expand_qk(x: jax.Array, hv: int) -> jax.Array:

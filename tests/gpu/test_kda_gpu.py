@@ -324,3 +324,43 @@ def test_chunk_snapshot_and_pool_states_by_slot():
     untouched = np.setdiff1d(np.arange(NS), written)
     np.testing.assert_array_equal(p[untouched], pool_np[untouched])
     np.testing.assert_array_equal(p[:, 0], pool_np[:, 0])
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_fuses_gate_and_l2norm(lower_bound):
+    """The prep kernel computing the log decay from bf16 gate logits and L2-normalising raw q and k
+    (`kda_chunk(..., gate=, qk_l2norm=True)`, and the pool form) against the f32 reference of the
+    whole thing (`ref.fused_inputs_ref` in f32, then the chunk reference), both gate forms (K3's
+    lower-bound sigmoid, Kimi-Linear's softplus), varlen with empty, 1-token and partial-chunk
+    sequences and NaN padding."""
+    from pallas_kernels.kda import Gate, kda_chunk_pool
+    from pallas_kernels.kda.ref import fused_inputs_ref
+
+    lens = [0, 1, 63, 65, 1000, 130]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T, n, N, H, HV = int(cu[-1]) + 13, int(cu[-1]), len(lens), 4, 8
+    ks = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 8)
+    q, k, v, _, beta = make(ks[0], (1, T), H, HV)
+    q = (q.astype(jnp.float32) * 5).astype(bf16)  # un-normalised, rows of different lengths
+    k = (k.astype(jnp.float32) * jax.random.uniform(ks[1], (1, T, H, 1), minval=0.3, maxval=4)).astype(bf16)
+    f = (jax.random.normal(ks[2], (1, T, HV, 128)) * 2).astype(bf16)  # the gate logits
+    gate = Gate(jax.random.normal(ks[3], (HV,)), jax.random.normal(ks[4], (HV * 128,)), lower_bound)
+    q, k, v, f, beta = (x.at[:, n:].set(jnp.nan) for x in (q, k, v, f, beta))
+    h0 = jax.random.normal(ks[5], (N, HV, 128, 128), jnp.float32) * 0.05
+    cu_j = jnp.asarray(cu)
+    with jax.default_matmul_precision("highest"):
+        qr, kr, gr = fused_inputs_ref(*map(f32ref, (q, k, f)), gate, True)
+        o_r, ht_r = kda_chunk_varlen_ref(qr, kr, f32ref(v), gr, f32ref(beta), None, h0, cu_j, 64)
+    o, ht = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], gate=a[7], qk_l2norm=True,
+                                         impl="pallas"))(q, k, v, f, beta, h0, cu_j, gate)
+    assert rel_err(o[:, :n], o_r[:, :n]) < 1e-2
+    np.testing.assert_array_equal(np.asarray(o[:, n:]), 0.0)
+    for i in range(N):
+        assert rel_err(ht[i], ht_r[i]) < 1e-2, i
+    pool = jnp.zeros((N + 2, 1, HV, 128, 128), jnp.float32).at[1:N + 1, 0].set(h0)
+    slots = jnp.arange(1, N + 1, dtype=jnp.int32)
+    o, p = jax.jit(lambda *a: kda_chunk_pool(*a[:7], layer=0, cu_seqlens=a[7], gate=a[8], qk_l2norm=True,
+                                             impl="pallas"))(q, k, v, f, beta, pool, slots, cu_j, gate)
+    assert rel_err(o[:, :n], o_r[:, :n]) < 1e-2
+    for i in range(N):
+        assert rel_err(p[i + 1, 0], ht_r[i]) < 1e-2, i
