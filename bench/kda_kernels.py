@@ -288,7 +288,9 @@ def main(argv=None):
                     help="prefill rows also time the chunk from raw q, k and bf16 gate logits (K3's lower-bound "
                          "gate): the gate and the L2 norm fused in the prep kernel (fused_inputs_ms) against XLA "
                          "computing them before the kernels (xla_inputs_ms, the model's default path), and fla's "
-                         "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms)")
+                         "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms); "
+                         "fused_inputs_six_levels_ms: the fused kernel without the bounded-gate block level "
+                         "(mgpu.PREP_BLOCK_LEVELS = False)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -372,6 +374,17 @@ def main(argv=None):
             del a, b
             out["fused_inputs_ms"] = jax_ms(lambda: ([fused(*j, gate) for _ in range(R)], R))
             out["xla_inputs_ms"] = jax_ms(lambda: ([xla(*j, gate) for _ in range(R)], R))
+            # the same fused kernel with the six levels (no bounded-gate block level)
+            mgpu.PREP_BLOCK_LEVELS = False
+            try:
+                six = jax.jit(lambda q, k, v, f, beta, h0, gate: kda_chunk(
+                    q, k, v, f, beta, initial_state=h0, gate=gate, qk_l2norm=True, impl="pallas"))
+                c = six(*j, gate)
+                out["rel_err_six_levels_vs_block"] = rel(c[0], fused(*j, gate)[0])
+                del c
+                out["fused_inputs_six_levels_ms"] = jax_ms(lambda: ([six(*j, gate) for _ in range(R)], R))
+            finally:
+                mgpu.PREP_BLOCK_LEVELS = True
         except Exception as e:
             out["fused_inputs_error"] = repr(e)[:400]
             traceback.print_exc()
@@ -605,7 +618,8 @@ def main(argv=None):
                   f"{g('prep_unrolled_ms')} ms, inter vt64 {g('inter_vt64_ms')} / vt32 {g('inter_vt32_ms')} ms "
                   f"(default vt {r.get('inter_vt')})")
             if "fused_inputs_ms" in r or "fused_inputs_error" in r:
-                print(f"  gate + L2 norm in the prep kernel {g('fused_inputs_ms')} ms vs in XLA first "
+                print(f"  gate + L2 norm in the prep kernel {g('fused_inputs_ms')} ms (six levels "
+                      f"{g('fused_inputs_six_levels_ms')}) vs in XLA first "
                       f"{g('xla_inputs_ms')} ms, fla fused {g('fla_fused_inputs_ms')} ms (err "
                       f"{r.get('rel_err_fused_vs_xla_inputs', r.get('fused_inputs_error'))})")
         if r["op"] == "decode" and "profile" in r:

@@ -124,14 +124,30 @@ def reference(params):
     return _run(lambda p, s, b: step(p, s, b, CFG), params, init_state(CFG, SLOTS, PAGES, PS))
 
 
-@pytest.mark.parametrize("spec,dp_attention", [("tp=2", False), ("tp=4,ep=2", False), ("dp=2,tp=2", False),
-                                               ("dp=2,tp=2", True)])
-def test_sharded_step_equals_single_device(params, reference, spec, dp_attention):
+@pytest.mark.parametrize("spec,dp_attention,fused", [("tp=2", False, False), ("tp=4,ep=2", False, False),
+                                                     ("dp=2,tp=2", False, False), ("dp=2,tp=2", True, False),
+                                                     ("tp=2", False, True)])
+def test_sharded_step_equals_single_device(params, reference, spec, dp_attention, fused, monkeypatch):
+    """fused: the KDA prefill's L2 norm and gate left to the chunk entry point per head shard
+    (`model.kda.PREFILL_FUSED_INPUTS`, the gate's parameters sharded by head), against the reference
+    without it."""
+    from k3jax.model import kda as kda_model
+
+    monkeypatch.setattr(kda_model, "PREFILL_FUSED_INPUTS", fused)
+    chunk, gated = kda_model.kda_kernels.kda_chunk, []
+
+    def spy(*a, **kw):  # the real entry point, recording whether it got the fused inputs
+        gated.append(kw.get("gate") is not None)
+        return chunk(*a, **kw)
+
+    monkeypatch.setattr(kda_model.kda_kernels, "kda_chunk", spy)
+    jax.clear_caches()  # the switch is read at trace time
     rules = Rules.dp_attention() if dp_attention else Rules()
     st = make_sharded_step(CFG, spec, rules)
     sharded = st.shard_params(params)
     assert sharded.moe.w1.sharding.spec == P(None, "ep", None, "tp")
     outs, state = _run(st, sharded, st.init_state(SLOTS, PAGES, PS))
+    assert gated and set(gated) == {fused}
     ref_outs, ref_state = reference
     for got_step, want_step in zip(outs, ref_outs):
         for got, want in zip(got_step, want_step):

@@ -164,6 +164,33 @@ def test_engine_unified_equals_separate_pools(engine_setup):
         llm.check_invariants()
 
 
+def test_engine_fused_prefill_inputs_same_tokens(engine_setup, monkeypatch):
+    """`model.kda.PREFILL_FUSED_INPUTS` (the prefill's L2 norm and gate left to the chunk entry point,
+    here `kda_chunk` on the states gathered from the unified buffer; test_forward.py covers the
+    separate pools' `kda_chunk_pool`) gives the engine's greedy tokens without it."""
+    import jax
+
+    from k3jax import LLM
+    from k3jax.model import kda as kda_model
+    from tests.test_engine import ENGINE_KW
+
+    model, run_workload, want = engine_setup
+    monkeypatch.setattr(kda_model, "PREFILL_FUSED_INPUTS", True)
+    real, fused = kda_model.kda_kernels.kda_chunk, []
+
+    def spy(*a, **kw):  # the real entry point, recording whether the layer handed it the fused inputs
+        fused.append(kw.get("gate") is not None and kw.get("qk_l2norm", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kda_model.kda_kernels, "kda_chunk", spy)
+    jax.clear_caches()  # the switch is read at trace time
+    llm = LLM(model, page_size=16, enable_unified_memory=True, **ENGINE_KW)
+    assert run_workload(llm, together=True) == want
+    assert fused and set(fused) == {True}
+    llm.check_invariants()
+    jax.clear_caches()
+
+
 def test_engine_unified_under_pressure(engine_setup):
     """A budget of 8 slots + 26 pages (as bytes): the hole runs out, the engine evicts and preempts."""
     from k3jax import LLM

@@ -27,10 +27,11 @@ from pallas_kernels.kda.ref import Gate, kda_gate_ref, l2norm
 
 
 # The prefill segment's L2 norm of q, k and its gate computed inside the chunk kernel
-# (`kda_chunk_pool(..., gate=, qk_l2norm=True)`: the Mosaic GPU prep kernel reads the raw conv
-# outputs and the bf16 gate logits, so normalised q, k and the f32 g of every prefill token are never
-# written). Only on the single-device in-place pool path; decode and verify tokens always take them
-# from XLA. Off until measured on the H200 (bench/NOTES.md, session 13): read at trace time.
+# (`kda_chunk_pool` / `kda_chunk(..., gate=, qk_l2norm=True)`: the Mosaic GPU prep kernel reads the raw
+# conv outputs and the bf16 gate logits, so normalised q, k and the f32 g of every prefill token are
+# never written), on one device, with the unified pool and per head shard on a mesh; decode and verify
+# tokens always take them from XLA. Off until measured on the H200 (bench/NOTES.md, session 13): read
+# at trace time.
 PREFILL_FUSED_INPUTS = False
 
 
@@ -140,7 +141,7 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         f = proj(proj(x, p.f_a), p.f_b)
         # the prefill segment's L2 norm and gate in the chunk kernel (`PREFILL_FUSED_INPUTS`): XLA
         # computes them for the decode / verify tokens only
-        fused = PREFILL_FUSED_INPUTS and shard is None and pool.in_place and T > ndt
+        fused = PREFILL_FUSED_INPUTS and T > ndt
         nx = ndt if fused else T
         # k in the activation dtype for every kernel: a verify capture stores it so, and the fold
         # replays exactly the values verify used
@@ -153,15 +154,25 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
     outs = []
     decode = lambda q, k, v, g, beta, ssm, slots, reset: kda_kernels.kda_decode(
         q, k, v, g, beta, ssm, slots, layer=layer, reset=reset, impl=impl)
-    chunk = lambda q, k, v, g, beta, s0, cu: kda_kernels.kda_chunk(
-        q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl=impl)
+    # the prefill segment's chunk inputs: normalised q, k and the log decay, or (fused) the raw q, k and
+    # the gate logits with the gate's parameters (a_log [H], dt_bias [H, K]: arrays, so a mesh shards them)
+    pre = (q_raw, k_raw, v, f.reshape(T, H, K), beta) if fused else (q, k, v, g, beta)
+    gp = (p.a_log, p.dt_bias.reshape(H, K)) if fused else ()
+    lower_bound = gate_params(p, cfg).lower_bound
+
+    def chunk(q, k, v, g, beta, s0, cu, *gp):
+        gate = Gate(gp[0], gp[1], lower_bound) if gp else None
+        return kda_kernels.kda_chunk(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl=impl, gate=gate,
+                                     qk_l2norm=bool(gp))
+
     if shard is not None:  # each head shard runs the kernel on its heads and its part of the pool
         th, bth = (None, "kda_heads", None), (None, None, "kda_heads", None)
         pool_axes = ("slots", None, "kda_heads", None, None)
         decode = shard.kernel(decode, (th, th, th, th, (None, "kda_heads"), pool_axes, (None,), (None,)),
                               (th, pool_axes))
+        gp_axes = (("kda_heads",), ("kda_heads", None)) if fused else ()
         chunk = shard.kernel(chunk, (bth, bth, bth, bth, (None, None, "kda_heads"), (None, "kda_heads", None, None),
-                                     (None,)), (bth, (None, "kda_heads", None, None)))
+                                     (None,), *gp_axes), (bth, (None, "kda_heads", None, None)))
     with jax.named_scope("kda_core"):
         if nd and B > 1:  # verify: from the committed state, read only; capture for the fold
             blk = lambda a: a[:ndt].reshape(nd, B, *a.shape[1:])
@@ -186,19 +197,14 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         if T > ndt:
             slots_p = ctx.seq_slot[nd:]
             seg = lambda a: a[None, ndt:]
-            if fused:  # from the raw q, k and the gate logits
+            if shard is None and pool.in_place:  # the kernel reads and writes the states by slot
                 o_p, ssm = kda_kernels.kda_chunk_pool(
-                    seg(q_raw), seg(k_raw), seg(v), seg(f.reshape(T, H, K)), seg(beta), pool.ssm, slots_p, layer=layer,
-                    cu_seqlens=ctx.prefill_cu, reset=fresh[nd:], impl=impl, gate=gate_params(p, cfg), qk_l2norm=True)
-                pool = dataclasses.replace(pool, ssm=ssm)
-            elif shard is None and pool.in_place:  # the kernel reads and writes the states by slot
-                o_p, ssm = kda_kernels.kda_chunk_pool(seg(q), seg(k), seg(v), seg(g), seg(beta), pool.ssm, slots_p,
-                                                      layer=layer, cu_seqlens=ctx.prefill_cu, reset=fresh[nd:],
-                                                      impl=impl)
+                    *map(seg, pre), pool.ssm, slots_p, layer=layer, cu_seqlens=ctx.prefill_cu, reset=fresh[nd:],
+                    impl=impl, gate=gate_params(p, cfg) if fused else None, qk_l2norm=fused)
                 pool = dataclasses.replace(pool, ssm=ssm)
             else:  # unified memory or a mesh: gather the states, run the kernel on them, scatter back
                 s0 = jnp.where(fresh[nd:, None, None, None], 0.0, pool.read_ssm(slots_p, layer))
-                o_p, s_f = chunk(seg(q), seg(k), seg(v), seg(g), seg(beta), s0, ctx.prefill_cu)
+                o_p, s_f = chunk(*map(seg, pre), s0, ctx.prefill_cu, *gp)
                 pool = pool.write_ssm(slots_p, layer, s_f)
             outs.append(o_p[0])
         o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]  # [T, H, V] f32

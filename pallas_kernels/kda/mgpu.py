@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.prep import chunk_prep
+from pallas_kernels.kda.prep import block_levels, chunk_prep
 from pallas_kernels.kda.ref import fused_inputs_ref
 from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
 
@@ -465,6 +465,9 @@ def _bf16_split(x):
 
 
 _L2_EPS = 1e-6  # `ref.l2norm`'s
+# with a fused lower-bound gate, the prep kernel's low levels merge into one product (`prep.block_levels`:
+# levels 0-4 for K3's -5); False: the six levels as for any gate (read at trace time; the bench times both)
+PREP_BLOCK_LEVELS = True
 
 
 def _gate_rows(gate, HV, K):
@@ -501,7 +504,9 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     log decay from them at the load (`ref.kda_gate_ref`'s formula; exp and log are approximate, as
     every exp here), so g is neither written nor read in f32. qk_l2norm: q and k come
     un-normalised and are L2-normalised at the load (`ref.l2norm`, rsqrt). Both as
-    flash-linear-attention's `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`."""
+    flash-linear-attention's `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`. A lower-bound gate
+    bounds every token's decay, so the low levels merge into one product (`prep.block_levels`,
+    `PREP_BLOCK_LEVELS`): for K3's -5, levels 0-4, two level products instead of six."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = ctok.shape[0]
@@ -515,6 +520,8 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
     fused_gate = gate is not None
     lower_bound = gate.lower_bound if fused_gate else None
+    # the gate bounds the decay per token: the low levels merge into one product (`prep.block_levels`)
+    merged = block_levels(lower_bound, CHUNK_TOKENS) if fused_gate and PREP_BLOCK_LEVELS else 0
 
     def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, ctok_ref, cnum_ref, cval_ref, *refs):
         if fused_gate:
@@ -621,13 +628,31 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                 # kernel's code holds one level; otherwise (v4) the six levels are unrolled
                 rT = ("T", r_s)
 
-                def level(j, carry):
-                    lv = nl - 1 - j  # a Python int when unrolled (v4), traced in the loop (v6)
+                def level_sums(lv):  # D_t = G_t - G_r, r the middle row of t's 2^(lv+1)-row block
                     b = (1 << lv) if isinstance(lv, int) else jnp.left_shift(jnp.int32(1), lv)
                     t_, i_ = ti(), ii()
                     tb = (t_ & b) != 0
-                    S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)
-                    d = dsum(S)
+                    return dsum(jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0),
+                                                                jnp.where(tb, 0.0, -1.0)), 0.0))
+
+                def scores(ek, eq, pair_mask):
+                    """The two score products ek r^T, eq r^T (r in r_s) under one wait, masked to the pairs
+                    (the mask built meanwhile)."""
+                    if interpret:
+                        sel = pair_mask()
+                        return jnp.where(sel, mm([(ek, rT)], (C, C)), 0.0), jnp.where(sel, mm([(eq, rT)], (C, C)), 0.0)
+
+                    def pair(acc_k, acc_q):
+                        plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
+                        plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
+                        sel = pair_mask()
+                        return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)
+
+                    return pl.run_scoped(pair, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+
+                def level(j, carry):
+                    lv = nl - 1 - j  # a Python int when unrolled (v4), traced in the loop (v6)
+                    d = level_sums(lv)
                     # rows in the second half need exp(D), rows in the first half exp(-D): both are
                     # exp(-|D|), and the other rows' values are masked out below
                     e = jnp.exp(jnp.minimum(d, -d))
@@ -635,29 +660,30 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                     r_s[...] = ek
                     plgpu.commit_smem()
                     eq = (ld(q_s) * e).astype(bf)
-
-                    # the two score products under one wait, the level's pair mask built meanwhile
-                    pair_mask = lambda: (lev1 == lv + 1) & (ti() > ii())
-                    if interpret:
-                        sel = pair_mask()
-                        sk, sq = jnp.where(sel, mm([(ek, rT)], (C, C)), 0.0), jnp.where(sel, mm([(eq, rT)], (C, C)), 0.0)
-                    else:
-                        def pair(acc_k, acc_q):
-                            plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
-                            plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
-                            sel = pair_mask()
-                            return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)
-
-                        sk, sq = pl.run_scoped(pair, plgpu.ACC((C, C), f32), plgpu.ACC((C, C), f32))
+                    sk, sq = scores(ek, eq, lambda: (lev1 == lv + 1) & (ti() > ii()))
                     return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
 
-                if loops:
+                def merged_levels(carry):
+                    # bounded gates (v9): levels 0 to merged-1 in one product. With D = G - G_r from
+                    # level merged-1's sums, exp(G_t - G_i) = exp(D_t) exp(-D_i) for every pair t > i of
+                    # a 2^merged-row block, each factor within exp(+-2^(merged-1) |lower_bound|) <= exp(80)
+                    # (`prep.block_levels`)
+                    d = level_sums(merged - 1)
+                    r_s[...] = (ld(k_s) * jnp.exp(-d)).astype(bf)
+                    plgpu.commit_smem()
+                    up = jnp.exp(d)
+                    sk, sq = scores((ld(k_s) * up).astype(bf), (ld(q_s) * up).astype(bf),
+                                    lambda: (lev1 <= merged) & (ti() > ii()))
+                    return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
+
+                if loops and nl > merged:
                     zero = jnp.zeros((C, C), f32) if interpret else plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)
-                    return lax.fori_loop(0, nl, level, (zero, zero))
-                carry = None
-                for j in range(nl):
-                    carry = level(j, carry)
-                return carry
+                    carry = lax.fori_loop(0, nl - merged, level, (zero, zero))
+                else:
+                    carry = None
+                    for j in range(nl - merged):
+                        carry = level(j, carry)
+                return merged_levels(carry) if merged else carry
 
             with jax.named_scope("levels"):
                 akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
@@ -744,7 +770,8 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
         compiler_params=_PREP_PARAMS,
-        kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + ("_l2" if qk_l2norm else ""),
+        kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + (f"_merged{merged}" if merged else "")
+        + ("_l2" if qk_l2norm else ""),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
     extra = [_gate_rows(gate, HV, K)] if fused_gate else []

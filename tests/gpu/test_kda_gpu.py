@@ -326,24 +326,26 @@ def test_chunk_snapshot_and_pool_states_by_slot():
     np.testing.assert_array_equal(p[:, 0], pool_np[:, 0])
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_chunk_fuses_gate_and_l2norm(lower_bound):
+@pytest.mark.parametrize("lower_bound,H,HV", [(None, 4, 8), (-5.0, 12, 12)])
+def test_chunk_fuses_gate_and_l2norm(lower_bound, H, HV):
     """The prep kernel computing the log decay from bf16 gate logits and L2-normalising raw q and k
     (`kda_chunk(..., gate=, qk_l2norm=True)`, and the pool form) against the f32 reference of the
     whole thing (`ref.fused_inputs_ref` in f32, then the chunk reference), both gate forms (K3's
     lower-bound sigmoid, Kimi-Linear's softplus), varlen with empty, 1-token and partial-chunk
-    sequences and NaN padding."""
+    sequences and NaN padding; value-head groups and H == HV (where approximate exp once broke the
+    in-chunk decay sums: docs/kernels.md)."""
     from pallas_kernels.kda import Gate, kda_chunk_pool
     from pallas_kernels.kda.ref import fused_inputs_ref
 
     lens = [0, 1, 63, 65, 1000, 130]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    T, n, N, H, HV = int(cu[-1]) + 13, int(cu[-1]), len(lens), 4, 8
+    T, n, N = int(cu[-1]) + 13, int(cu[-1]), len(lens)
     ks = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 8)
     q, k, v, _, beta = make(ks[0], (1, T), H, HV)
     q = (q.astype(jnp.float32) * 5).astype(bf16)  # un-normalised, rows of different lengths
     k = (k.astype(jnp.float32) * jax.random.uniform(ks[1], (1, T, H, 1), minval=0.3, maxval=4)).astype(bf16)
     f = (jax.random.normal(ks[2], (1, T, HV, 128)) * 2).astype(bf16)  # the gate logits
+    f = f.at[:, 200:500].set(30.0)  # saturated: every token's decay near the bound (or very strong, softplus)
     gate = Gate(jax.random.normal(ks[3], (HV,)), jax.random.normal(ks[4], (HV * 128,)), lower_bound)
     q, k, v, f, beta = (x.at[:, n:].set(jnp.nan) for x in (q, k, v, f, beta))
     h0 = jax.random.normal(ks[5], (N, HV, 128, 128), jnp.float32) * 0.05
