@@ -349,7 +349,11 @@ def main(argv=None):
         from pallas_kernels.kda import Gate
         from pallas_kernels.kda.ref import fused_inputs_ref
 
-        out = {}
+        from pallas_kernels.kda.prep import block_levels
+
+        merged = block_levels(lower_bound)
+        out = {"fused_prep": f"v9: gate ({lower_bound} lower bound) and L2 norm at the load; levels 0-{merged - 1} "
+                             f"merged into one product (prep.block_levels), six levels in *_six_levels_ms"}
         gen = torch.Generator(device=dev).manual_seed(B * T + H)
         scale_rows = lambda x: (x.float() * (0.2 + 5.8 * torch.rand(B, T, H, 1, device=dev, generator=gen))).to(x.dtype)
         qr, kr = scale_rows(torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)), scale_rows(
