@@ -18,7 +18,8 @@ calls() {
    (~5 min) -> kda_colwarp8.json
 3  prefill rows with the gate and the L2 norm fused (ours fused, six levels, XLA first; fla fused) at
    1 x 32k x 12 and 8 x 4k x 12, then verify + fold without barriers and in colwarp8 at 256 x 12 and
-   64 x 12 (~5 min) -> kda_fused.json, kda_verify.json
+   64 x 12, then the prep kernel alone with levels 0-4 merged and with no levels (~6 min)
+   -> kda_fused.json, kda_verify.json, ablation.json
 4  k3-mini prefill 4k and 16k (pallas without and with the fused inputs, xla) and decode at batch 1,
    with the profile's kda_proj/qk_norm and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json
 EOF
@@ -59,6 +60,8 @@ case "$1" in
         --breakdown none --out "$OUT/kda_fused.json"
     step kda_verify $K --decode-batch --verify 256x12 64x12 --verify-no-auto-barriers \
         --verify-layouts colwarp8 --prefill --breakdown none --out "$OUT/kda_verify.json"
+    step ablation python3 bench/kda_prep_ablation.py --variants base merged5 A_nolevels \
+        --out "$OUT/ablation.json"
     ;;
 4)
     step k3_mini python3 bench/k3_mini_h200.py --batch 1 --prefill 4096 16384 --impl pallas xla \

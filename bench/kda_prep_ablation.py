@@ -37,14 +37,14 @@ _LEV_TABLE = """            x = ti() ^ ii()
             for bit in range(1, nl):
                 lev1 = lev1 + jnp.where(x >= (1 << bit), 1, 0)
 """
-_S_OLD = "S = jnp.where(lev1 <= lv, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)"
-_S_NEW = ("x_ = t_ ^ i_\n                    "
-          "S = jnp.where(x_ < b, jnp.where(i_ <= t_, jnp.where(tb, 1.0, 0.0), jnp.where(tb, 0.0, -1.0)), 0.0)")
-_SEL_OLD = "pair_mask = lambda: (lev1 == lv + 1) & (ti() > ii())"
-_SEL_NEW = "pair_mask = lambda: ((ti() ^ ii()) >= b) & ((ti() ^ ii()) < 2 * b) & (ti() > ii())"
-_SCORES = """                            plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
-                            plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
+_S_OLD = "return dsum(jnp.where(lev1 <= lv, jnp.where("
+_S_NEW = "return dsum(jnp.where((t_ ^ i_) < b, jnp.where("
+_SEL_OLD = "lambda: (lev1 == lv + 1) & (ti() > ii())"
+_SEL_NEW = "lambda: ((ti() ^ ii()) >= (1 << lv)) & ((ti() ^ ii()) < (2 << lv)) & (ti() > ii())"
+_SCORES = """                        plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
+                        plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
 """
+_MERGED = "merged = block_levels(lower_bound, CHUNK_TOKENS) if fused_gate and PREP_BLOCK_LEVELS else 0"
 _PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True)"
 
 _PRECISE = (_PARAMS, _PARAMS.replace(", approx_math=True)", ")"))
@@ -56,7 +56,7 @@ _BARRIER = [
                 return lax.optimization_barrier((out, *[a for a, _ in pairs]))[0]"""),
     ("return jnp.where(sel, acc_k[...], 0.0), jnp.where(sel, acc_q[...], 0.0)",
      "rk, rq, _, _ = lax.optimization_barrier((acc_k[...], acc_q[...], ek, eq))\n"
-     "                            return jnp.where(sel, rk, 0.0), jnp.where(sel, rq, 0.0)"),
+     "                        return jnp.where(sel, rk, 0.0), jnp.where(sel, rq, 0.0)"),
 ]
 
 # name -> (what it is, [(old text, new text)])
@@ -71,7 +71,9 @@ VARIANTS = {
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
-                   [("return lax.fori_loop(0, nl, level, (zero, zero))", "return (zero, zero)")]),
+                   [("carry = lax.fori_loop(0, nl - merged, level, (zero, zero))", "carry = (zero, zero)")]),
+    "merged5": ("candidate (v9, session 13): levels 0-4 merged into one product, what a fused lower-bound gate of -5 "
+                "runs (these inputs' gates stay above -2.6 per token: in range)", [(_MERGED, "merged = 5")]),
     "A_nosolve": ("ablation: no solve (Tinv = A)",
                   [("Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))",
                     "Tinv = A.astype(bf)")]),

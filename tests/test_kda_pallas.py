@@ -370,6 +370,15 @@ def test_chunk_entry_points_fuse_gate_and_l2norm(impl):
         close(p[sl, 1], want_h[i], 1e-4)
 
 
+def test_prep_ablation_variants_apply():
+    """bench/kda_prep_ablation.py builds each variant of the prep kernel by exact text substitution in
+    mgpu.py: every substitution still finds its text (a kernel refactor must update them)."""
+    from bench import kda_prep_ablation
+
+    for name in kda_prep_ablation.VARIANTS:
+        assert hasattr(kda_prep_ablation.build(name), "_chunk_prep_call"), name
+
+
 @pytest.fixture
 def lowered_modules(monkeypatch):
     """The text of every Mosaic GPU module lowered while the test runs (a hook on Mosaic GPU's serde
