@@ -93,6 +93,30 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
     assert _rel(got, want) < 2 * floor, (_rel(got, want), floor)
 
 
+def test_model_prefill_with_fused_inputs(model, monkeypatch):
+    """The model's prefill with `PREFILL_FUSED_INPUTS` (the KDA prefill's L2 norm and K3's lower-bound
+    gate inside the prep kernel, with levels 0-4 merged) on the kernels: the fused path was taken,
+    and its logits are as close to the XLA path's as the unfused kernels' are (within 2x; this
+    random-weight model amplifies rounding, a kernel bug moves them by O(1))."""
+    ids = np.random.default_rng(1).integers(0, 256, 200).tolist()
+    want = dataclasses.replace(model, impl="xla").logits(ids)
+    plain = model.logits(ids)
+    chunk_pool, fused = model_kda.kda_kernels.kda_chunk_pool, []
+
+    def spy(*a, **kw):  # the real entry point, recording whether the layer handed it the fused inputs
+        fused.append(kw.get("gate") is not None and kw.get("qk_l2norm", False))
+        return chunk_pool(*a, **kw)
+
+    monkeypatch.setattr(model_kda.kda_kernels, "kda_chunk_pool", spy)
+    monkeypatch.setattr(model_kda, "PREFILL_FUSED_INPUTS", True)
+    jax.clear_caches()  # the switch is read at trace time
+    got = model.logits(ids)
+    jax.clear_caches()
+    assert fused and set(fused) == {True}
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 2 * max(_rel(plain, want), 0.05), (_rel(got, want), _rel(plain, want))
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "2026-12-03 on the H200: the KDA kernels are bit-identical between verify + fold and decode "
     "(test_kda_gpu.py::test_verify_fold_bitwise_equal_decode), but the rest of the step is not batch-invariant "
