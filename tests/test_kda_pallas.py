@@ -307,13 +307,15 @@ def _gate_numpy(f, gate):
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0, -2.0])
-def test_prep_kernel_fuses_gate_and_l2norm(lower_bound):
+def test_prep_kernel_fuses_gate_and_l2norm(lower_bound, monkeypatch):
     """The Mosaic GPU prep kernel with the gate and the L2 norm fused (`gate=`, `qk_l2norm=True`: it
     loads bf16 gate logits and raw q, k), in Mosaic GPU interpret mode, gives the chunk operands of
     the XLA prep on the gate and the norms computed first (`ref.fused_inputs_ref`), for both gate
-    forms (the lower-bound one with levels 0-4 merged at -5, all six at -2: `prep.block_levels`);
-    NaN padding tokens stay masked."""
+    forms (the lower-bound one with `PREP_BLOCK_LEVELS`, off by default since it measured slower:
+    levels 0-4 merged at -5, all six at -2, `prep.block_levels`); NaN padding tokens stay masked."""
     from pallas_kernels.kda import mgpu
+
+    monkeypatch.setattr(mgpu, "PREP_BLOCK_LEVELS", True)
     from pallas_kernels.kda.ref import fused_inputs_ref
 
     rng = np.random.default_rng(11)
@@ -668,7 +670,8 @@ def test_fold_pool_in_place_by_slot(impl):
 
 
 def test_spec_kernels_without_auto_barriers(lowered_modules):
-    """verify (plain path) and fold with `auto_barriers=False` lower with fewer `bar.sync` (verify at
+    """verify (plain path) and fold with `auto_barriers=False` (their default in the colwarp layout at
+    vt 64) lower with fewer `bar.sync` (verify at
     T = 8 keeps only commit_smem's and the prologue's) and the same float operations; refused where
     threads share state elements or wait on another thread's TMA (snapshots, WGMMA, colwarp vt 32)."""
     from pallas_kernels.kda import spec_kernels as sk
@@ -689,6 +692,8 @@ def test_spec_kernels_without_auto_barriers(lowered_modules):
             _export_cuda(functools.partial(kernel, auto_barriers=auto), *args)
             ops[auto], bars[auto] = _float_ops(lowered_modules[-1]), lowered_modules[-1].count("bar.sync")
         assert ops[True] == ops[False] and bars[False] < bars[True], (kernel.__name__, bars)
+        _export_cuda(kernel, *args)  # the default (session 13): decode's rule, no barriers in colwarp at vt 64
+        assert lowered_modules[-1].count("bar.sync") == bars[False], kernel.__name__
         for bad in (dict(layout="wgmma"), dict(vt=32)):
             with pytest.raises(ValueError, match="auto_barriers=True"):
                 jax.eval_shape(functools.partial(kernel, auto_barriers=False, **bad), *args)

@@ -466,8 +466,10 @@ def _bf16_split(x):
 
 _L2_EPS = 1e-6  # `ref.l2norm`'s
 # with a fused lower-bound gate, the prep kernel's low levels merge into one product (`prep.block_levels`:
-# levels 0-4 for K3's -5); False: the six levels as for any gate (read at trace time; the bench times both)
-PREP_BLOCK_LEVELS = True
+# levels 0-4 for K3's -5); False (the default): the six levels as for any gate. Measured slower on the
+# H200 (session 13: the fused chunk 2.87 ms merged against 2.14 with six levels at 32k x 12; the prep
+# kernel alone 1.33 against 1.01 ms), so off; read at trace time
+PREP_BLOCK_LEVELS = False
 
 
 def _gate_rows(gate, HV, K):

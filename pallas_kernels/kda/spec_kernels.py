@@ -204,18 +204,22 @@ def _check_no_auto_barriers(kernel, layout, K, vt, snapshots=False):
                          f"colwarp layout's replicated vt-32 form (got layout={layout}, vt={vt}, snapshots={snapshots})")
 
 
-def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=False, layout=None, auto_barriers=True):
+def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=False, layout=None, auto_barriers=None):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
     state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold).
     layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`).
     vt: the V tile (None: `mgpu.step_vt`, 64, or 32 in "colwarp8").
     auto_barriers: False drops Pallas's barriers around shared-memory stores (16 at T = 8: the
     kernel's only stores are its output rows); "colwarp" at vt 64 or "colwarp8", without
-    snapshots. Opt-in, not yet timed on the GPU."""
+    snapshots. None (the default since session 13): decode's rule (`mgpu.decode_auto_barriers`),
+    barriers kept with snapshots. Measured on the H200 (bench/NOTES.md, session 13): verify + fold
+    at 256 x 12 0.370 ms without against 0.466 with, at 64 x 12 0.156 against 0.217."""
     plgpu, mgpu = _mgpu()
     N, T, HV, K = q.shape
     V = v.shape[-1]
     vt = min(vt or mgpu.step_vt(layout, V), V)
+    if auto_barriers is None:
+        auto_barriers = snapshots or mgpu.decode_auto_barriers(layout, K, vt)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
     if not auto_barriers:
@@ -274,15 +278,17 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=Fals
     return tuple(outs) if snapshots else outs[0]
 
 
-def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None, layout=None, auto_barriers=True):
+def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None, layout=None, auto_barriers=None):
     """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout and vt:
     as `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores
     (each thread stores only the state elements it loaded); "colwarp" at vt 64 or "colwarp8".
-    Opt-in, not yet timed on the GPU."""
+    None (the default since session 13): decode's rule (`mgpu.decode_auto_barriers`)."""
     plgpu, mgpu = _mgpu()
     R, T, HV, K = k.shape
     V = v.shape[-1]
     vt = min(vt or mgpu.step_vt(layout, V), V)
+    if auto_barriers is None:
+        auto_barriers = mgpu.decode_auto_barriers(layout, K, vt)
     if K % 64 or V % vt or vt % 32:
         raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
     if not auto_barriers:
@@ -375,7 +381,7 @@ def fold(S0, cap, n_keep, snap_at=None, *, impl):
     return S if snap_at is None else (S, out[R * HV:].reshape(S0.shape))
 
 
-def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=True,
+def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=None,
               layout=None):
     """The fold straight on the recurrent pool, in place: pool `[S, L, HV, K, V]` f32, slots
     `[N]`, cap `[N, L, T, HV, X]` (all L layers), n_keep `[N]`; with `snap_at` / `snap_dst` `[N]`

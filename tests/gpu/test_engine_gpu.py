@@ -62,7 +62,9 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
     chunk_pool = model_kda.kda_kernels.kda_chunk_pool
     errs = []
 
-    def checked(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=None, impl="xla"):
+    def checked(q, k, v, g, beta, pool, slots, *, layer, cu_seqlens, reset=None, impl="xla", gate=None,
+                qk_l2norm=False):
+        assert gate is None and not qk_l2norm  # (PREFILL_FUSED_INPUTS off: the inputs as the kernel takes them)
         f32 = lambda x: x.astype(jnp.float32)
         with jax.default_matmul_precision("highest"):
             o_r, pool_r = chunk_pool(*map(f32, (q, k, v, g, beta)), pool, slots, layer=layer, cu_seqlens=cu_seqlens,
@@ -95,7 +97,7 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
 
 def test_model_prefill_with_fused_inputs(model, monkeypatch):
     """The model's prefill with `PREFILL_FUSED_INPUTS` (the KDA prefill's L2 norm and K3's lower-bound
-    gate inside the prep kernel, with levels 0-4 merged) on the kernels: the fused path was taken,
+    gate inside the prep kernel) on the kernels: the fused path was taken,
     and its logits are as close to the XLA path's as the unfused kernels' are (within 2x; this
     random-weight model amplifies rounding, a kernel bug moves them by O(1))."""
     ids = np.random.default_rng(1).integers(0, 256, 200).tolist()
