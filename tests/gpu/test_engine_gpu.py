@@ -92,7 +92,10 @@ def test_chunk_kernel_on_model_inputs_and_logits(model, monkeypatch):
     floor_model = dataclasses.replace(model, impl="xla", config=model.config.replace(name="k3-tiny-k128-bf16-kda-inputs"))
     floor = _rel(floor_model.logits(ids), want)
     assert 0 < floor < 0.5
-    assert _rel(got, want) < 2 * floor, (_rel(got, want), floor)
+    # since f32 models multiply in full f32 (session 12) the floor is small (H200, 2026-12-05: 0.016) while
+    # the kernels' own bf16 operands (w, u0, the level scores) move the logits by 0.137: the bound is the
+    # larger of twice the floor and 0.25, still far below the O(1) of a kernel bug
+    assert _rel(got, want) < max(2 * floor, 0.25), (_rel(got, want), floor)
 
 
 def test_model_prefill_with_fused_inputs(model, monkeypatch):
@@ -129,7 +132,8 @@ def test_model_prefill_with_fused_inputs(model, monkeypatch):
     "verify and decode shapes, and f32 GEMM rows at M = 1 differ from M = 4 by ~1e-3 (TF32-sized) at every "
     "weight shape (bench/results/batch_invariance_h200.json). 2026-12-04 session 12: an f32 model's step now "
     "multiplies at 'highest' precision (k3jax.model.forward.matmul_precision), not yet run on the GPU: if this "
-    "test XPASSes, remove the xfail; if not, run bench/batch_invariance.py to see what is left"))
+    "test XPASSes, remove the xfail; if not, run bench/batch_invariance.py to see what is left. 2026-12-05 on the "
+    "H200: still fails with the full-f32 GEMMs"))
 def test_speculative_on_kernels_equals_plain(model):
     llm = LLM(model, prefix_cache=True, overlap=True, **ENGINE_KW)
     want = run_workload(llm)  # checks the engine's invariants after each run
