@@ -28,8 +28,9 @@ EOF
 [ "${1:-}" = "list" ] || [ -z "${1:-}" ] && { calls; exit 0; }
 : "${OUT:?OUT must be set (the device tool sets it)}"
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
+SITE=$(mktemp -d)  # the carried wheels, installed outside the tree
+python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
 K="python3 bench/kda_kernels.py"
 
 step() {  # step NAME CMD...: run CMD, its output in $OUT/NAME.log (the tail also on stdout)

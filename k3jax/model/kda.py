@@ -158,11 +158,11 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
     # the gate logits with the gate's parameters (a_log [H], dt_bias [H, K]: arrays, so a mesh shards them)
     pre = (q_raw, k_raw, v, f.reshape(T, H, K), beta) if fused else (q, k, v, g, beta)
     gp = (p.a_log, p.dt_bias.reshape(H, K)) if fused else ()
-    lower_bound = gate_params(p, cfg).lower_bound
+    gate = gate_params(p, cfg) if fused else None
 
-    def chunk(q, k, v, g, beta, s0, cu, *gp):
-        gate = Gate(gp[0], gp[1], lower_bound) if gp else None
-        return kda_kernels.kda_chunk(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl=impl, gate=gate,
+    def chunk(q, k, v, g, beta, s0, cu, *gp):  # gp: the shard's rows of the gate's parameters
+        gate_s = Gate(gp[0], gp[1], gate.lower_bound) if gp else None
+        return kda_kernels.kda_chunk(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu, impl=impl, gate=gate_s,
                                      qk_l2norm=bool(gp))
 
     if shard is not None:  # each head shard runs the kernel on its heads and its part of the pool
@@ -200,7 +200,7 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
             if shard is None and pool.in_place:  # the kernel reads and writes the states by slot
                 o_p, ssm = kda_kernels.kda_chunk_pool(
                     *map(seg, pre), pool.ssm, slots_p, layer=layer, cu_seqlens=ctx.prefill_cu, reset=fresh[nd:],
-                    impl=impl, gate=gate_params(p, cfg) if fused else None, qk_l2norm=fused)
+                    impl=impl, gate=gate, qk_l2norm=fused)
                 pool = dataclasses.replace(pool, ssm=ssm)
             else:  # unified memory or a mesh: gather the states, run the kernel on them, scatter back
                 s0 = jnp.where(fresh[nd:, None, None, None], 0.0, pool.read_ssm(slots_p, layer))
