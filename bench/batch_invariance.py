@@ -9,8 +9,18 @@ bit the same in a verify step (blocks of gamma + 1 tokens per sequence) as in a 
 1. step: one sequence with a prompt in context; its next token's logit row from a plain decode
    step (D = 4 slots), from a mixed step (the same decode plus a 128-token prefill of another
    sequence) and from slot 0 of a verify block (`forward_verify`, block = gamma + 1). Max abs
-   difference against the plain decode row, and whether it is exactly 0.
-2. gemm: for every distinct 2-D weight shape of the model, row 0 of x[:M] @ W at the row counts
+   difference against the plain decode row, and whether it is exactly 0. And every row j of the
+   verify block against the j-th of gamma + 1 decode steps run one after the other on the block's
+   tokens (what plain decoding computes for them).
+2. layers (with `--layers`): the same row's output of every attention (KDA / MLA) and FFN (dense /
+   MoE) layer in each step, against the decode step's: the first layer whose output moves is where
+   the step stops being batch-invariant (read through `jax.debug.callback`: on a GPU run with
+   JAX_PLATFORMS=cuda,cpu).
+3. engine (with `--engine`): the engine's greedy tokens on tests/test_engine.py's workload, plain
+   against speculative (an oracle drafter, gamma 4, partial acceptance), with and without overlap, and
+   plain against plain run again (is the step reproducible?): the first differing token of each
+   request (None: identical).
+4. gemm: for every distinct 2-D weight shape of the model, row 0 of x[:M] @ W at the row counts
    these steps use (M = 4, 20, 132, 148 and 1), against M = 4.
 
     python3 bench/batch_invariance.py --out bench/results/batch_invariance_h200.json
@@ -19,16 +29,21 @@ Measured on the CPU (k3-tiny with 128-wide KDA heads, f32, XLA path; `results/ba
 the step is not bitwise batch-invariant there either. The logit rows differ by up to ~4e-5, and
 4 of the 10 GEMM shapes give a different row 0 at M = 1, 132 and 148 than at M = 4 (~1e-6). The
 differences are small enough that tests/test_engine.py's speculative runs stay token-identical
-on the CPU. On the H200 the engine's speculative tokens differ from plain decoding (bench/NOTES.md,
-"Engine on the H200"). Measured there (session 10, `results/batch_invariance_h200.json`): the logit
-row moves by ~0.02 between verify and decode steps, and f32 GEMM rows at M = 1 differ from M = 4 by
-~1e-3, TF32-sized. Since session 12 an f32 model's step multiplies at "highest" precision
-(`k3jax.model.forward.matmul_precision`) and so does this script's GEMM check: not yet run on the GPU.
+on the CPU. On the H200 in session 10 (TF32 GEMMs) the logit row moved by ~0.02 between verify and
+decode steps. Since session 12 an f32 model's step multiplies at "highest" precision
+(`k3jax.model.forward.matmul_precision`); on the H200 in session 14 (`results/session14/`,
+`results/batch_invariance_h200.json`) the rows then differ by 2-3e-5, as on the CPU; every layer's
+output moves by ~1e-6 from layer 0 on (the weight products: 0 of 10 GEMM shapes are bitwise
+row-invariant, ~1e-6); the engine's speculative tokens equal plain decoding's on the Pallas path but
+not on the XLA path (2 of 8 requests part at tokens 3 and 5), with overlap on and off alike. That run
+still had the MoE combine as a scatter-add, whose GPU atomics sum a token's expert outputs in
+arrival order (not reproducible from run to run); it is a gather and ordered adds since.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -55,7 +70,54 @@ def build_model(name: str, kda_head_dim: int | None, impl: str):
     return dataclasses.replace(base, config=cfg, params=split_layers(init_params(cfg, 0)), impl=impl)
 
 
-def step_rows(model, prompt_len: int, gamma: int, seed: int) -> dict:
+class LayerTap:
+    """Records row 0 of every layer's attention and FFN output while a step runs (`jax.debug.callback`
+    inside `forward._attention` / `forward._ffn`, wrapped for the life of the tap)."""
+
+    def __init__(self):
+        import k3jax.model.forward as fwd_mod
+
+        self.mod, self.rows, self.mode = fwd_mod, {}, None
+        self.orig = fwd_mod._attention, fwd_mod._ffn
+
+    def _store(self, key, x):
+        self.rows.setdefault(self.mode, {})[key] = np.asarray(x, np.float64)
+
+    def __enter__(self):
+        attn, ffn = self.orig
+        kind = lambda cfg, i, kinds: getattr(cfg, kinds)[i]
+
+        def tapped_attention(params, h, ctx, state, i, cfg, *a, **kw):
+            y, state = attn(params, h, ctx, state, i, cfg, *a, **kw)
+            jax.debug.callback(lambda r, k=(i, kind(cfg, i, "layer_kinds")): self._store(k, r), y[0])
+            return y, state
+
+        def tapped_ffn(params, h, i, cfg, *a, **kw):
+            y = ffn(params, h, i, cfg, *a, **kw)
+            jax.debug.callback(lambda r, k=(i, kind(cfg, i, "ffn_kinds")): self._store(k, r), y[0])
+            return y
+
+        self.mod._attention, self.mod._ffn = tapped_attention, tapped_ffn
+        jax.clear_caches()  # retrace through the taps
+        return self
+
+    def __exit__(self, *exc):
+        self.mod._attention, self.mod._ffn = self.orig
+        jax.clear_caches()
+
+    def diffs(self) -> dict:
+        """{mode: [{"layer", "kind", "maxabs", "rel"} per tapped output, in layer order]} against decode."""
+        base, out = self.rows["decode"], {}
+        for mode, rows in self.rows.items():
+            if mode in ("decode", "prefill", "chain"):
+                continue
+            out[mode] = [{"layer": i, "kind": k, "maxabs": float(np.abs(rows[(i, k)] - b).max()),
+                          "rel": float(np.linalg.norm(rows[(i, k)] - b) / max(np.linalg.norm(b), 1e-30))}
+                         for (i, k), b in base.items()]
+        return out
+
+
+def step_rows(model, prompt_len: int, gamma: int, seed: int, tap: LayerTap | None = None) -> dict:
     """The next token's logit row in a decode, a mixed and a verify step, from the same state."""
     cfg, params, impl = model.config, model.params, model.impl
     ps = LOGITS_PAGE_SIZE
@@ -72,27 +134,80 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int) -> dict:
     ver = jax.jit(forward_verify, static_argnames=("cfg", "block", "impl"))
 
     P = -(-prompt_len // 64) * 64
+    if tap is not None:
+        tap.mode = "prefill"  # not compared
     pre = pack_step([], [SeqWork(prompt, 0, 1, pages_a)], D=0, P=P, NP=1, pages_per_seq=npp)
     logits, state = fwd(params, state, pre.batch, cfg=cfg, impl=impl)
     t0 = int(np.asarray(logits)[pre.rows[0]].argmax(-1).reshape(-1)[-1])
     fresh = lambda: jax.tree.map(jnp.copy, state)
     work = SeqWork([t0], prompt_len, 1, pages_a)
 
+    def first(mode, run):  # the measured token's logit row (row 0 of the step: A's token leads every step)
+        if tap is not None:
+            tap.mode = mode
+        out = run()
+        jax.effects_barrier()
+        last_out[:] = [np.asarray(out[0])[out_rows[mode]].reshape(-1, cfg.vocab_size)]
+        return last_out[0][0]
+
+    last_out = []
     dec = pack_step([work], [], D=D, P=0, NP=0, pages_per_seq=npp)
-    first = lambda out, rows: np.asarray(out[0])[rows[0]].reshape(-1, cfg.vocab_size)[0]
-    row_dec = first(fwd(params, fresh(), dec.batch, cfg=cfg, impl=impl), dec.rows)
     mix = pack_step([work], [SeqWork(other, 0, 2, pages_b)], D=D, P=128, NP=1, pages_per_seq=npp)
-    row_mix = first(fwd(params, fresh(), mix.batch, cfg=cfg, impl=impl), mix.rows)
     block = SeqWork([t0] + rng.integers(0, cfg.vocab_size, gamma).tolist(), prompt_len, 1, pages_a)
     vb = pack_step([block], [], D=D, P=0, NP=0, pages_per_seq=npp, block=B)
-    row_ver = first(ver(params, fresh(), vb.batch, cfg=cfg, block=B, impl=impl), vb.rows)
+    out_rows = {"decode": dec.rows[0], "mixed": mix.rows[0], "verify": vb.rows[0]}
+    row_dec = first("decode", lambda: fwd(params, fresh(), dec.batch, cfg=cfg, impl=impl))
+    row_mix = first("mixed", lambda: fwd(params, fresh(), mix.batch, cfg=cfg, impl=impl))
+    row_ver = first("verify", lambda: ver(params, fresh(), vb.batch, cfg=cfg, block=B, impl=impl))
+    rows_ver = last_out[0]  # the block's B rows
+    # the block's tokens decoded one step at a time (what plain decoding runs): row j against verify's row j
+    if tap is not None:
+        tap.mode = "chain"  # not compared per layer
+    st, chain = fresh(), []
+    for j, tok in enumerate(block.tokens):
+        dj = pack_step([SeqWork([tok], prompt_len + j, 1, pages_a)], [], D=D, P=0, NP=0, pages_per_seq=npp)
+        logits, st = fwd(params, st, dj.batch, cfg=cfg, impl=impl)
+        chain.append(np.asarray(logits)[dj.rows[0]].reshape(-1, cfg.vocab_size)[0])
+    jax.effects_barrier()
 
     diff = lambda a: float(np.abs(a.astype(np.float64) - row_dec.astype(np.float64)).max())
-    return {"rows": {"decode": D, "mixed": D + 128, "verify": D * B},
-            "mixed_vs_decode_maxabs": diff(row_mix), "verify_vs_decode_maxabs": diff(row_ver),
-            "mixed_bitwise_equal": bool(np.array_equal(row_mix, row_dec)),
-            "verify_bitwise_equal": bool(np.array_equal(row_ver, row_dec)),
-            "same_argmax": bool(row_ver.argmax() == row_dec.argmax() == row_mix.argmax())}
+    res = {"rows": {"decode": D, "mixed": D + 128, "verify": D * B},
+           "mixed_vs_decode_maxabs": diff(row_mix), "verify_vs_decode_maxabs": diff(row_ver),
+           "mixed_bitwise_equal": bool(np.array_equal(row_mix, row_dec)),
+           "verify_bitwise_equal": bool(np.array_equal(row_ver, row_dec)),
+           "same_argmax": bool(row_ver.argmax() == row_dec.argmax() == row_mix.argmax()),
+           "verify_vs_decode_chain_maxabs": [float(np.abs(v.astype(np.float64) - c).max())
+                                             for v, c in zip(rows_ver, chain)],
+           "verify_vs_decode_chain_bitwise_equal": bool(all(np.array_equal(v, c) for v, c in zip(rows_ver, chain)))}
+    if tap is not None:
+        res["layers"] = tap.diffs()
+        tap.rows = {}
+    return res
+
+
+def engine_runs(model) -> dict:
+    """First differing token per request, speculative (overlap on and off) against plain decoding."""
+    from k3jax import LLM
+    from k3jax.spec.drafter import OracleDrafter
+    from tests.test_engine import ENGINE_KW, run_workload, workload
+
+    want = run_workload(LLM(model, prefix_cache=True, overlap=True, **ENGINE_KW))
+    phase1, phase2 = workload()
+    prompts = phase1 + phase2(want[: len(phase1)])
+    oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, model.config.vocab_size)
+    first_diff = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    again = run_workload(LLM(model, prefix_cache=True, overlap=True, **ENGINE_KW))
+    out = {"plain_again": {"first_diff": [first_diff(g, w) for g, w in zip(again, want)]}}
+    print(f"engine, plain run again vs plain: first differing token per request {out['plain_again']['first_diff']}",
+          flush=True)
+    for overlap in (True, False):
+        spec = LLM(model, prefix_cache=True, overlap=overlap, speculative=oracle, num_draft_tokens=4, **ENGINE_KW)
+        got = run_workload(spec)
+        out[f"overlap={overlap}"] = {"first_diff": [first_diff(g, w) for g, w in zip(got, want)],
+                                     "accepted": spec.stats["spec_accepted"], "drafted": spec.stats["spec_drafted"]}
+        print(f"engine, speculative vs plain, overlap={overlap}: first differing token per request "
+              f"{out[f'overlap={overlap}']['first_diff']}", flush=True)
+    return out
 
 
 def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
@@ -129,6 +244,11 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=100, help="tokens in context before the measured token")
     ap.add_argument("--gamma", type=int, default=4, help="draft tokens per verify block (block = gamma + 1)")
     ap.add_argument("--seeds", type=int, default=3, help="prompts measured (one seed each)")
+    ap.add_argument("--layers", action="store_true",
+                    help="also compare every layer's output row between the steps (where the step first moves)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also run the engine workload plain vs speculative (first differing token per request)")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the per-weight-shape GEMM check")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
 
@@ -136,16 +256,32 @@ def main(argv=None):
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
            "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
-    for s in tqdm(range(args.seeds), desc="step shapes", leave=False):
-        r = step_rows(model, args.prompt_len, args.gamma, s)
-        res["step"].append(r)
-        print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, verify vs decode "
-              f"{r['verify_vs_decode_maxabs']:.3g}, same argmax {r['same_argmax']}", flush=True)
+    tap = LayerTap() if args.layers else contextlib.nullcontext()
+    with tap:
+        for s in tqdm(range(args.seeds), desc="step shapes", leave=False):
+            r = step_rows(model, args.prompt_len, args.gamma, s, tap if args.layers else None)
+            res["step"].append(r)
+            print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, verify vs decode "
+                  f"{r['verify_vs_decode_maxabs']:.3g}, same argmax {r['same_argmax']}; verify block row j vs "
+                  f"the j-th decode step: {['%.3g' % x for x in r['verify_vs_decode_chain_maxabs']]}", flush=True)
+            for mode, rows in r.get("layers", {}).items():
+                moved = [x for x in rows if x["maxabs"] > 0]
+                where = f"first at layer {moved[0]['layer']} ({moved[0]['kind']}, maxabs {moved[0]['maxabs']:.3g})" \
+                    if moved else "none"
+                print(f"  {mode} vs decode: {len(moved)} of {len(rows)} layer outputs move; {where}", flush=True)
+    if args.engine:
+        res["engine"] = engine_runs(model)
+    if args.no_gemm:
+        return _finish(res, args)
     res["gemm"] = gemm_rows(model.params, model.config)
     bad = [g for g in res["gemm"] if not g["bitwise_equal"]]
     print(f"gemm: {len(res['gemm']) - len(bad)} of {len(res['gemm'])} weight shapes give row 0 bit for bit at every M")
     for g in bad:
         print(f"  {g['shape']} {g['dtype']}: {g['row0_maxabs_vs_M4']}")
+    return _finish(res, args)
+
+
+def _finish(res, args):
     if args.out:
         write_json(args.out, res)
     return res

@@ -22,6 +22,12 @@ calls() {
    -> kda_fused.json, kda_verify.json, ablation.json
 4  k3-mini prefill 4k and 16k (pallas without and with the fused inputs, xla) and decode at batch 1,
    with the profile's kda_proj/qk_norm and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json
+5  batch invariance (session 14): bench/batch_invariance.py --layers --engine on the XLA and the Pallas
+   path (the first layer whose output row moves between decode, mixed and verify steps; the engine's
+   speculative tokens against plain, overlap on and off), the Pallas path again with
+   --xla_gpu_deterministic_ops (~7 min) -> bi_xla.json, bi_pallas.json, bi_pallas_det.json
+6  tests/gpu in full, then call 5's Pallas-path check with one seed and no GEMM table (the layers, the
+   engine: plain twice, speculative with and without overlap) (~8 min) -> tests.txt, bi_pallas.json
 EOF
 }
 
@@ -67,6 +73,19 @@ case "$1" in
 4)
     step k3_mini python3 bench/k3_mini_h200.py --batch 1 --prefill 4096 16384 --impl pallas xla \
         --fused-inputs --out "$OUT/k3_mini_prefill.json"
+    ;;
+5)
+    BI="python3 bench/batch_invariance.py --seeds 2 --layers --engine"
+    step bi_xla $BI --impl xla --out "$OUT/bi_xla.json"
+    step bi_pallas $BI --impl pallas --out "$OUT/bi_pallas.json"
+    step bi_pallas_det env XLA_FLAGS=--xla_gpu_deterministic_ops=true $BI --impl pallas --no-gemm \
+        --out "$OUT/bi_pallas_det.json"
+    ;;
+6)
+    step tests timeout 360 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step bi_pallas timeout 200 python3 bench/batch_invariance.py --seeds 1 --layers --engine --no-gemm \
+        --impl pallas --out "$OUT/bi_pallas.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

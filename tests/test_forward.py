@@ -234,16 +234,20 @@ def test_no_recompilation_after_warmup(tiny):
         assert compiles() == 0
 
 
-def _dot_precisions(jaxpr, out):
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (jit, scan, cond, custom rules) included."""
     from jax.extend import core as jcore
 
     for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
-            out.append(e.params["precision"])
+        yield e
         for v in e.params.values():
             for sub in v if isinstance(v, (list, tuple)) else [v]:
                 if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-                    _dot_precisions(getattr(sub, "jaxpr", sub), out)
+                    yield from _eqns(getattr(sub, "jaxpr", sub))
+
+
+def _dot_precisions(jaxpr, out):
+    out.extend(e.params["precision"] for e in _eqns(jaxpr) if e.primitive.name == "dot_general")
     return out
 
 
@@ -267,3 +271,25 @@ def test_f32_model_multiplies_in_f32(dtype):
         jx = jax.make_jaxpr(f)(params, fresh_state(cfg), batch)
         precs = [str(p) for p in _dot_precisions(jx.jaxpr, [])]
         assert len(precs) > 50 and set(precs) == ({hi} if dtype == "float32" else {"None"}), set(precs)
+
+
+def test_step_sums_without_scatter_add():
+    """No floating-point scatter-add in the step (a mixed step and a verify block): on a GPU its atomics
+    sum colliding updates in whatever order they land, so a token's row would change from run to run
+    and with the other tokens of the step (the MoE combine gathers each token's k expert outputs
+    back and adds them in choice order instead)."""
+    import functools
+
+    from k3jax.model.forward import forward, forward_verify
+
+    cfg = preset("k3-tiny")
+    params = init_params(cfg, 0)
+    mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
+    block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
+    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
+                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
+        eqns = list(_eqns(jax.make_jaxpr(f)(params, fresh_state(cfg), batch).jaxpr))
+        assert any(e.primitive.name == "ragged_dot_general" or e.primitive.name == "ragged_dot" for e in eqns)
+        adds = [e for e in eqns if e.primitive.name.startswith("scatter") and "add" in e.primitive.name
+                and jax.numpy.issubdtype(e.outvars[0].aval.dtype, jax.numpy.floating)]
+        assert not adds, [str(e)[:200] for e in adds]

@@ -130,7 +130,7 @@ def test_fold_equals_plain_decode(model):
             if slot == 2 and not snap_at:
                 continue
             want = plain[n].recurrent
-            np.testing.assert_allclose(out.recurrent.ssm[slot], want.ssm[1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out.recurrent.ssm[slot], want.ssm[1], rtol=1e-5, atol=2e-6)
             np.testing.assert_allclose(out.recurrent.conv[slot], want.conv[1], rtol=1e-5, atol=1e-5)
 
 

@@ -88,7 +88,15 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     y = y * w.reshape(-1)[order][:, None]
     if local is not None:
         y = jnp.where(local[order][:, None], y, 0.0)
-    return jnp.zeros((T, y.shape[-1]), jnp.float32).at[tok].add(y)
+    # back to (token, choice) order and summed over the k choices in that order: a gather and k - 1 adds,
+    # not a scatter-add, whose atomics (GPU) sum a token's copies in whatever order they land, so a
+    # token's row would depend on the run and on the other tokens of the step
+    unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y[unsort].reshape(T, k, -1)
+    out = y[:, 0]
+    for j in range(1, k):
+        out = out + y[:, j]
+    return out
 
 
 def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig, shard=None) -> jax.Array:
