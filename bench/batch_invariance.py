@@ -113,7 +113,7 @@ class LayerTap:
                 continue
             out[mode] = [{"layer": i, "kind": k, "maxabs": float(np.abs(rows[(i, k)] - b).max()),
                           "rel": float(np.linalg.norm(rows[(i, k)] - b) / max(np.linalg.norm(b), 1e-30))}
-                         for (i, k), b in base.items()]
+                         for (i, k), b in sorted(base.items(), key=lambda kv: (kv[0][0], kv[0][1] in ("dense", "moe")))]
         return out
 
 
@@ -248,6 +248,8 @@ def main(argv=None):
                     help="also compare every layer's output row between the steps (where the step first moves)")
     ap.add_argument("--engine", action="store_true",
                     help="also run the engine workload plain vs speculative (first differing token per request)")
+    ap.add_argument("--no-step", action="store_true",
+                    help="skip the step rows (and --layers, --engine): the GEMM table only, e.g. to compare XLA_FLAGS")
     ap.add_argument("--no-gemm", action="store_true", help="skip the per-weight-shape GEMM check")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
@@ -256,9 +258,10 @@ def main(argv=None):
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
            "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
-    tap = LayerTap() if args.layers else contextlib.nullcontext()
+    res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    tap = LayerTap() if args.layers and not args.no_step else contextlib.nullcontext()
     with tap:
-        for s in tqdm(range(args.seeds), desc="step shapes", leave=False):
+        for s in tqdm(range(0 if args.no_step else args.seeds), desc="step shapes", leave=False):
             r = step_rows(model, args.prompt_len, args.gamma, s, tap if args.layers else None)
             res["step"].append(r)
             print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, verify vs decode "
@@ -269,7 +272,7 @@ def main(argv=None):
                 where = f"first at layer {moved[0]['layer']} ({moved[0]['kind']}, maxabs {moved[0]['maxabs']:.3g})" \
                     if moved else "none"
                 print(f"  {mode} vs decode: {len(moved)} of {len(rows)} layer outputs move; {where}", flush=True)
-    if args.engine:
+    if args.engine and not args.no_step:
         res["engine"] = engine_runs(model)
     if args.no_gemm:
         return _finish(res, args)

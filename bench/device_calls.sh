@@ -27,7 +27,17 @@ calls() {
    speculative tokens against plain, overlap on and off), the Pallas path again with
    --xla_gpu_deterministic_ops (~7 min) -> bi_xla.json, bi_pallas.json, bi_pallas_det.json
 6  tests/gpu in full, then call 5's Pallas-path check with one seed and no GEMM table (the layers, the
-   engine: plain twice, speculative with and without overlap) (~8 min) -> tests.txt, bi_pallas.json
+   engine: plain twice, speculative with and without overlap, the verify rows against a decode chain),
+   then the XLA path's verify rows against the chain (~9 min) -> tests.txt, bi_pallas.json, bi_xla.json
+7  call 6 cut to a short budget: tests/gpu/test_engine_gpu.py (the model and the engine on the kernels,
+   the speculative xfail), then the Pallas-path engine check (~4 min) -> tests.txt, bi_pallas.json
+8  which XLA_FLAGS make the f32 GEMM rows batch-invariant (session 14: at M = 20 against M = 4, 6 of 10
+   weight shapes differ on the H200 and none on the CPU): the GEMM table (--no-step) under six flag sets
+   (none; split-K autotuning off; autotune level 0; cuBLAS only; split-K off + no dot strength
+   reduction; deterministic ops), one process each (~6 min) -> gemm_<set>.json
+9  the speculative engine test and the engine check under the flags in $2 (a call-8 set that made
+   the rows invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
+   -> tests.txt, bi_pallas.json
 EOF
 }
 
@@ -82,9 +92,37 @@ case "$1" in
         --out "$OUT/bi_pallas_det.json"
     ;;
 6)
-    step tests timeout 360 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
+    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
-    step bi_pallas timeout 200 python3 bench/batch_invariance.py --seeds 1 --layers --engine --no-gemm \
+    step bi_pallas timeout 180 python3 bench/batch_invariance.py --seeds 1 --layers --engine --no-gemm \
+        --impl pallas --out "$OUT/bi_pallas.json"
+    step bi_xla timeout 100 python3 bench/batch_invariance.py --seeds 1 --no-gemm --impl xla \
+        --out "$OUT/bi_xla.json"
+    ;;
+7)
+    step tests timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 3 -rfEX
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step bi_pallas timeout 150 python3 bench/batch_invariance.py --seeds 1 --engine --no-gemm --impl pallas \
+        --out "$OUT/bi_pallas.json"
+    ;;
+8)
+    sets=("none:" "nosplitk:--xla_gpu_enable_split_k_autotuning=false" "autotune0:--xla_gpu_autotune_level=0"
+          "cublas:--xla_gpu_enable_triton_gemm=false"
+          "nosplitk_nodsr:--xla_gpu_enable_split_k_autotuning=false --xla_gpu_enable_dot_strength_reduction=false"
+          "determ:--xla_gpu_deterministic_ops=true")
+    for s in "${sets[@]}"; do
+        name=${s%%:*} flags=${s#*:}
+        step "gemm_$name" env XLA_FLAGS="$flags" timeout 90 python3 bench/batch_invariance.py --no-step \
+            --out "$OUT/gemm_$name.json"
+        rm -f "$OUT/gemm_$name.log"  # the tail is on stdout; at most 8 files come back
+    done
+    ;;
+9)
+    : "${2:?call 9 takes the XLA_FLAGS to test as its second argument}"
+    step tests env XLA_FLAGS="$2" timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfEX \
+        tests/gpu/test_engine_gpu.py -k speculative
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step bi_pallas env XLA_FLAGS="$2" timeout 200 python3 bench/batch_invariance.py --seeds 1 --engine \
         --impl pallas --out "$OUT/bi_pallas.json"
     ;;
 *)

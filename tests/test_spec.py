@@ -193,3 +193,22 @@ def test_speculative_sharded_equals_plain(model, reference):
               num_draft_tokens=GAMMA, **ENGINE_KW)
     assert run(llm) == want
     assert llm.stats["spec_accepted"] > 0
+
+
+def test_batch_invariance_bench_reports_every_layer():
+    """bench/batch_invariance.py (run on the H200 through bench/device_calls.sh): its per-layer taps
+    see every attention and FFN output in the mixed and verify steps, and its verify-vs-decode-chain
+    rows cover the block; on the CPU every difference is f32 rounding (< 1e-3 on logits of std ~8)."""
+    from bench import batch_invariance
+
+    res = batch_invariance.main(["--seeds", "1", "--layers", "--no-gemm", "--kda-head-dim", "0",
+                                 "--prompt-len", "40", "--gamma", "3"])
+    (step,) = res["step"]
+    cfg = load_model("k3-tiny", seed=0).config
+    for mode in ("mixed", "verify"):
+        rows = step["layers"][mode]
+        assert [(r["layer"], r["kind"]) for r in rows[::2]] == list(enumerate(cfg.layer_kinds))
+        assert [r["kind"] for r in rows[1::2]] == list(cfg.ffn_kinds)
+        assert all(np.isfinite(r["maxabs"]) and r["maxabs"] < 1e-3 for r in rows)
+    assert len(step["verify_vs_decode_chain_maxabs"]) == 4
+    assert max(step["verify_vs_decode_chain_maxabs"]) < 1e-3 and step["same_argmax"]
