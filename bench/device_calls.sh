@@ -38,6 +38,10 @@ calls() {
 9  the speculative engine test and the engine check under the flags in $2 (a call-8 set that made
    the rows invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
    -> tests.txt, bi_pallas.json
+10 verify + fold with two and four V tiles a CTA (session 14): tests/gpu's tiles and bitwise cases, then
+   verify + fold at 64 x 12 and 256 x 12 in colwarp and colwarp8 at 1 and 2 tiles (~8 min)
+   -> tests.txt, kda_verify_tiles.json. With call 2, decides STEP_LAYOUT = "colwarp8" (1 x 96 decode:
+   5.6-5.7 us against 6.1; it lost only verify + fold at 64 x 12, 0.245 ms against 0.156)
 EOF
 }
 
@@ -124,6 +128,13 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step bi_pallas env XLA_FLAGS="$2" timeout 200 python3 bench/batch_invariance.py --seeds 1 --engine \
         --impl pallas --out "$OUT/bi_pallas.json"
+    ;;
+10)
+    step tests timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_kda_gpu.py -p no:cacheprovider -n 4 -rfEX \
+        -k "tiles or bitwise or auto_barriers"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step kda_verify_tiles $K --decode-batch --verify 64x12 256x12 --verify-layouts colwarp colwarp8 \
+        --verify-tiles 1 2 --prefill --breakdown none --out "$OUT/kda_verify_tiles.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -202,16 +202,21 @@ def bench_verify_fold(inputs, N, H, gamma, copy_gbps, R=4, forms=()):
     return out
 
 
-def verify_forms(no_auto_barriers=False, layouts=()):
+def verify_forms(no_auto_barriers=False, layouts=(), tiles=(1,)):
     """bench_verify_fold's extra forms: `_nab` (no automatic barriers, the default layout and V tile;
     session 11) and `_<layout>` per layout (its default V tile, `mgpu.step_vt`; without the automatic
-    barriers where `mgpu.decode_auto_barriers` drops them at that tile, as decode does)."""
+    barriers where `mgpu.decode_auto_barriers` drops them at that tile, as decode does), with
+    `_tiles<t>` for each V-tile count t > 1 a CTA (session 14) that fits the layout's tile in V = 128."""
     from pallas_kernels.kda import mgpu
 
     forms = [("_nab", {"auto_barriers": False})] if no_auto_barriers else []
     for lay in layouts:
-        ab = mgpu.decode_auto_barriers(lay, 128, mgpu.step_vt(lay, 128))
-        forms.append((f"_{lay}", {"layout": lay, "auto_barriers": ab}))
+        vt = mgpu.step_vt(lay, 128)
+        ab = mgpu.decode_auto_barriers(lay, 128, vt)
+        for t in tiles:
+            if 128 % (vt * t) == 0:
+                forms.append((f"_{lay}" + (f"_tiles{t}" if t > 1 else ""), {"layout": lay, "auto_barriers": ab,
+                                                                            "tiles": t}))
     return forms
 
 
@@ -302,6 +307,9 @@ def main(argv=None):
                     help="verify_fold rows also time the verify and fold kernels with these state tile layouts "
                          "(at the layout's V tile, mgpu.step_vt; fold_<layout>_ms, verify_only_<layout>_ms, "
                          "fold_only_<layout>_ms); colwarp8 (vt 32) is what STEP_LAYOUT = 'colwarp8' would run")
+    ap.add_argument("--verify-tiles", nargs="*", type=int, default=[1],
+                    help="V tiles a CTA for the --verify-layouts forms (t > 1 adds fold_<layout>_tiles<t>_ms and "
+                         "its two kernels alone: one load of the block's vectors for t tiles)")
     args = ap.parse_args(argv)
 
     import torch
@@ -527,7 +535,8 @@ def main(argv=None):
         row = {"op": "verify_fold", "shape": {"batch": N, "heads": H, "gamma": args.gamma, "layers": 1, "K": 128, "V": 128}}
         try:
             row.update(bench_verify_fold(inputs, N, H, args.gamma, copy_gbps,
-                                         forms=verify_forms(args.verify_no_auto_barriers, args.verify_layouts)))
+                                         forms=verify_forms(args.verify_no_auto_barriers, args.verify_layouts,
+                                                            args.verify_tiles)))
         except Exception as e:
             row["error"] = repr(e)[:600]
             traceback.print_exc()

@@ -669,15 +669,10 @@ def test_fold_pool_in_place_by_slot(impl):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-def test_spec_kernels_without_auto_barriers(lowered_modules):
-    """verify (plain path) and fold with `auto_barriers=False` (their default in the colwarp layout at
-    vt 64) lower with fewer `bar.sync` (verify at
-    T = 8 keeps only commit_smem's and the prologue's) and the same float operations; refused where
-    threads share state elements or wait on another thread's TMA (snapshots, WGMMA, colwarp vt 32)."""
-    from pallas_kernels.kda import spec_kernels as sk
-
+def _spec_kernel_args(N=3, T=8, HV=4, K=128, V=128, L=2):
+    """Abstract arguments of `spec_kernels.verify_mgpu` (N sequences of T tokens, a pool of N x HV
+    state rows) and `fold_mgpu` (N x L rows over a pool of 5 x L x HV), f32, for lowering tests."""
     sd = jax.ShapeDtypeStruct
-    N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
     f = jnp.float32
     vec = lambda X: sd((N, T, HV, X), f)
     vargs = (vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f), sd((N,), jnp.int32),
@@ -686,6 +681,17 @@ def test_spec_kernels_without_auto_barriers(lowered_modules):
     cv = lambda X: sd((R, T, HV, X), f)
     i = sd((R,), jnp.int32)
     fargs = (sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
+    return vargs, fargs
+
+
+def test_spec_kernels_without_auto_barriers(lowered_modules):
+    """verify (plain path) and fold with `auto_barriers=False` (their default in the colwarp layout at
+    vt 64) lower with fewer `bar.sync` (verify at
+    T = 8 keeps only commit_smem's and the prologue's) and the same float operations; refused where
+    threads share state elements or wait on another thread's TMA (snapshots, WGMMA, colwarp vt 32)."""
+    from pallas_kernels.kda import spec_kernels as sk
+
+    vargs, fargs = _spec_kernel_args()
     for kernel, args in ((sk.verify_mgpu, vargs), (sk.fold_mgpu, fargs)):
         ops, bars = {}, {}
         for auto in (True, False):
@@ -701,27 +707,39 @@ def test_spec_kernels_without_auto_barriers(lowered_modules):
         jax.eval_shape(functools.partial(sk.verify_mgpu, snapshots=True, auto_barriers=False), *vargs)
 
 
+@pytest.mark.parametrize("layout", ["colwarp", "colwarp8"])
+def test_verify_fold_tiles_step_as_one_tile(layout, lowered_modules):
+    """verify and fold with two V tiles a CTA lower to one tile's float arithmetic and reduction
+    shuffles twice over (each tile stepped alike, so the tile count cannot change a bit; tests/gpu
+    checks the bits); verify with snapshots takes one tile; V must hold whole CTAs of tiles."""
+    from pallas_kernels.kda import spec_kernels as sk
+
+    vargs, fargs = _spec_kernel_args()
+    arith = lambda text: [op for op in _float_ops(text) if op != "nvvm.shfl.sync idx"]
+    for kernel, args in ((sk.verify_mgpu, vargs), (sk.fold_mgpu, fargs)):
+        ops = {}
+        for tiles in (1, 2):
+            _export_cuda(functools.partial(kernel, layout=layout, tiles=tiles), *args)
+            ops[tiles] = arith(lowered_modules[-1])
+        assert len(ops[1]) > 100 and ops[2] == ops[1] * 2, kernel.__name__
+        with pytest.raises(NotImplementedError, match="V % 256"):
+            jax.eval_shape(functools.partial(kernel, layout=layout, tiles=8 if layout == "colwarp8" else 4), *args)
+    with pytest.raises(NotImplementedError, match="one V tile"):
+        jax.eval_shape(functools.partial(sk.verify_mgpu, layout=layout, tiles=2, snapshots=True), *vargs)
+
+
 def test_spec_mosaic_gpu_kernels_lower_for_cuda():
     from pallas_kernels.kda import spec_kernels as sk
 
-    sd = jax.ShapeDtypeStruct
-    N, T, HV, K, V, L = 3, 8, 4, 128, 128, 2
-    f = jnp.float32
-    vec = lambda X: sd((N, T, HV, X), f)
+    vargs, fargs = _spec_kernel_args()
     for snaps, layout, ab in ((False, None, True), (True, None, True), (False, "colwarp", True),
                               (False, "colwarp8", False), (True, "colwarp8", True)):
         ver = functools.partial(sk.verify_mgpu, snapshots=snaps, layout=layout, auto_barriers=ab)
-        e = _export_cuda(ver, vec(K), vec(K), vec(V), vec(K), sd((N, T, HV), f), sd((N * HV, K, V), f),
-                         sd((N,), jnp.int32), sd((N,), jnp.int32))
-        assert "mosaic_gpu" in e.mlir_module()
-    R = N * L
-    cv = lambda X: sd((R, T, HV, X), f)
-    i = sd((R,), jnp.int32)
+        assert "mosaic_gpu" in _export_cuda(ver, *vargs).mlir_module()
     # the state tile's register layout (mgpu.step_layouts); colwarp8 at vt 32 without the automatic barriers
     for layout, ab in ((None, True), ("colwarp", True), ("colwarp8", False)):
         fold = functools.partial(sk.fold_mgpu, layout=layout, auto_barriers=ab)
-        e = _export_cuda(fold, sd((5 * L * HV, K, V), f), i, i, cv(K), cv(V), cv(K), sd((R, T, HV), f), i, i)
-        assert "mosaic_gpu" in e.mlir_module()
+        assert "mosaic_gpu" in _export_cuda(fold, *fargs).mlir_module()
 
 
 # ---- bad arguments: a clear error before any implementation runs --------------------------------

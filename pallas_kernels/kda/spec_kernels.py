@@ -204,11 +204,27 @@ def _check_no_auto_barriers(kernel, layout, K, vt, snapshots=False):
                          f"colwarp layout's replicated vt-32 form (got layout={layout}, vt={vt}, snapshots={snapshots})")
 
 
-def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=False, layout=None, auto_barriers=None):
+def _tile_views(tiles, K, vt):
+    """verify's and fold's shared-memory views for `tiles` V tiles a CTA: (the state buffer's shape,
+    tile(ref, j) -> tile j of a state buffer, cols(ref, t, j) -> tile j's columns of row t of a
+    [T, vt x tiles] vector buffer, pool_cols(v0, j) -> tile j's pool columns for a CTA starting at v0).
+    One tile lowers exactly as the single-tile kernels did."""
+    pool_cols = lambda v0, j: pl.ds(v0 + j * vt, vt) if j else pl.ds(v0, vt)
+    if tiles == 1:
+        return (K, vt), lambda ref, j: ref, lambda ref, t, j: ref.at[t], pool_cols
+    return (tiles, K, vt), lambda ref, j: ref.at[j], lambda ref, t, j: ref.at[t, pl.ds(j * vt, vt)], pool_cols
+
+
+def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, tiles=1, snapshots=False, layout=None,
+                auto_barriers=None):
     """Mosaic GPU verify: same contract as `verify_portable`; with `snapshots` also returns the
     state after every step, [N, HV, T, K, V] f32 (the per-step snapshot alternative to the fold).
     layout: the state tile's register layout (`mgpu.step_layouts`; None: `mgpu.STEP_LAYOUT`).
     vt: the V tile (None: `mgpu.step_vt`, 64, or 32 in "colwarp8").
+    tiles: V tiles per CTA (grid N x HV x V / (vt tiles)), stepped one after the other from one load
+    of the block's q, k, g vectors (as decode's `tiles`; not with snapshots). Every tile steps alike,
+    so the count never changes a bit. For "colwarp8", whose vt 32 doubles the CTAs and the vector
+    loads (session 13: verify + fold 0.245 ms at 64 x 12 against colwarp's 0.156): not yet timed.
     auto_barriers: False drops Pallas's barriers around shared-memory stores (16 at T = 8: the
     kernel's only stores are its output rows); "colwarp" at vt 64 or "colwarp8", without
     snapshots. None (the default since session 13): decode's rule (`mgpu.decode_auto_barriers`),
@@ -218,13 +234,17 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=Fals
     N, T, HV, K = q.shape
     V = v.shape[-1]
     vt = min(vt or mgpu.step_vt(layout, V), V)
+    span = vt * tiles  # the V columns of one CTA
     if auto_barriers is None:
         auto_barriers = snapshots or mgpu.decode_auto_barriers(layout, K, vt)
-    if K % 64 or V % vt or vt % 32:
-        raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    if K % 64 or V % span or vt % 32:
+        raise NotImplementedError(f"verify kernel needs K % 64 == 0 and V % {span} == 0 (K={K}, V={V})")
+    if snapshots and tiles != 1:
+        raise NotImplementedError(f"verify with snapshots takes one V tile per CTA (tiles={tiles})")
     if not auto_barriers:
         _check_no_auto_barriers("verify", layout, K, vt, snapshots)
     WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
+    tile_shape, tile, cols, pool_cols = _tile_views(tiles, K, vt)
 
     def body(idx, q_ref, k_ref, v_ref, g_ref, b_ref, base_ref, reset_ref, pool_ref, o_ref, *rest):
         if snapshots:
@@ -232,110 +252,119 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, snapshots=Fals
         else:
             s_smem, vec_smem, v_smem, o_smem, bar = rest
         n, h, vi = idx
-        v0 = vi * vt
+        v0 = vi * span
         row = base_ref[n] + h
         b = bar.at[0]
-        plgpu.copy_gmem_to_smem(pool_ref.at[row, :, pl.ds(v0, vt)], s_smem, b)
+        for j in range(tiles):
+            plgpu.copy_gmem_to_smem(pool_ref.at[row, :, pool_cols(v0, j)], tile(s_smem, j), b)
         plgpu.copy_gmem_to_smem(q_ref.at[n, :, h], vec_smem.at[0], b)
         plgpu.copy_gmem_to_smem(k_ref.at[n, :, h], vec_smem.at[1], b)
         plgpu.copy_gmem_to_smem(g_ref.at[n, :, h], vec_smem.at[2], b)
-        plgpu.copy_gmem_to_smem(v_ref.at[n, :, h, pl.ds(v0, vt)], v_smem, b)
+        plgpu.copy_gmem_to_smem(v_ref.at[n, :, h, pl.ds(v0, span)], v_smem, b)
         rs = reset_ref[n]
         plgpu.barrier_wait(b)
-        S = mgpu.load_tile(s_smem, WG)
-        S = jnp.where(rs != 0, 0.0, S)
-        for t in range(T):
-            ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
-            o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), mgpu.load_tile(v_smem.at[t], COL), b_ref[n, t, h],
-                                  layout=SL)
-            o_smem.at[t][...] = o
-            if snapshots:
-                slot = t % 2
-                if t >= 2:
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                sb.at[slot][...] = S
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(sb.at[slot], snap_ref.at[n, h, t, :, pl.ds(v0, vt)])
+        for j in range(tiles):
+            S = mgpu.load_tile(tile(s_smem, j), WG)
+            S = jnp.where(rs != 0, 0.0, S)
+            for t in range(T):
+                ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
+                o, S = mgpu.step_tile(S, ld(0), ld(1), ld(2), mgpu.load_tile(cols(v_smem, t, j), COL),
+                                      b_ref[n, t, h], layout=SL)
+                cols(o_smem, t, j)[...] = o
+                if snapshots:
+                    slot = t % 2
+                    if t >= 2:
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    sb.at[slot][...] = S
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(sb.at[slot], snap_ref.at[n, h, t, :, pl.ds(v0, vt)])
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, h, pl.ds(v0, vt)])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, h, pl.ds(v0, span)])
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((K, vt), f32, **mgpu._f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
         plgpu.SMEM((3, T, K), f32),
-        plgpu.SMEM((T, vt), f32),
-        plgpu.SMEM((T, vt), f32),
+        plgpu.SMEM((T, span), f32),
+        plgpu.SMEM((T, span), f32),
     ]
     out_types = [jax.ShapeDtypeStruct((N, T, HV, V), f32)]
     if snapshots:
         scratch.append(plgpu.SMEM((2, K, vt), f32, **mgpu._f32_tiled()))
         out_types.append(jax.ShapeDtypeStruct((N, HV, T, K, V), f32))
-    scratch.append(plgpu.Barrier(num_arrivals=5, num_barriers=1))
+    scratch.append(plgpu.Barrier(num_arrivals=4 + tiles, num_barriers=1))
     i32 = lambda x: x.astype(jnp.int32)
     ins = (q, k, v, g, beta, i32(base), i32(reset))
-    outs, _ = _launch(body, ins, pool3, out_types, (N, HV, V // vt), ("seq", "head", "vtile"), scratch,
+    outs, _ = _launch(body, ins, pool3, out_types, (N, HV, V // span), ("seq", "head", "vtile"), scratch,
                       "kda_verify_mgpu", auto_barriers)
     return tuple(outs) if snapshots else outs[0]
 
 
-def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None, layout=None, auto_barriers=None):
-    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout and vt:
-    as `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores
+def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None, tiles=1, layout=None,
+              auto_barriers=None):
+    """Mosaic GPU fold: same contract as `fold_portable` (pool3 updated in place). layout, vt and
+    tiles: as `verify_mgpu`'s. auto_barriers: False drops Pallas's barriers around shared-memory stores
     (each thread stores only the state elements it loaded); "colwarp" at vt 64 or "colwarp8".
     None (the default since session 13): decode's rule (`mgpu.decode_auto_barriers`)."""
     plgpu, mgpu = _mgpu()
     R, T, HV, K = k.shape
     V = v.shape[-1]
     vt = min(vt or mgpu.step_vt(layout, V), V)
+    span = vt * tiles
     if auto_barriers is None:
         auto_barriers = mgpu.decode_auto_barriers(layout, K, vt)
-    if K % 64 or V % vt or vt % 32:
-        raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {vt} == 0 (K={K}, V={V})")
+    if K % 64 or V % span or vt % 32:
+        raise NotImplementedError(f"fold kernel needs K % 64 == 0 and V % {span} == 0 (K={K}, V={V})")
     if not auto_barriers:
         _check_no_auto_barriers("fold", layout, K, vt)
     WG, ROW, COL, SL = mgpu.step_layouts(layout, K, vt)
+    tile_shape, tile, cols, pool_cols = _tile_views(tiles, K, vt)
 
     def body(idx, k_ref, v_ref, g_ref, b_ref, base_ref, sbase_ref, nk_ref, sa_ref, pool_ref,
              s_smem, f_smem, vec_smem, v_smem, bar):
         r, h, vi = idx
-        v0 = vi * vt
+        v0 = vi * span
         row = base_ref[r] + h
         srow = sbase_ref[r]
         nk, sa = nk_ref[r], sa_ref[r]
         b = bar.at[0]
-        plgpu.copy_gmem_to_smem(pool_ref.at[row, :, pl.ds(v0, vt)], s_smem, b)
+        for j in range(tiles):
+            plgpu.copy_gmem_to_smem(pool_ref.at[row, :, pool_cols(v0, j)], tile(s_smem, j), b)
         plgpu.copy_gmem_to_smem(k_ref.at[r, :, h], vec_smem.at[0], b)
         plgpu.copy_gmem_to_smem(g_ref.at[r, :, h], vec_smem.at[1], b)
-        plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, pl.ds(v0, vt)], v_smem, b)
+        plgpu.copy_gmem_to_smem(v_ref.at[r, :, h, pl.ds(v0, span)], v_smem, b)
         plgpu.barrier_wait(b)
-        S = mgpu.load_tile(s_smem, WG)  # s_smem keeps S0: the snapshot's initial value
-        for t in range(T):
-            ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
-            _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), mgpu.load_tile(v_smem.at[t], COL), b_ref[r, t, h],
-                                       layout=SL)
-            S = jnp.where(t < nk, S_next, S)
+        for j in range(tiles):
+            S = mgpu.load_tile(tile(s_smem, j), WG)  # s_smem keeps S0: the snapshot's initial value
+            for t in range(T):
+                ld = lambda i: mgpu.load_tile(vec_smem.at[i, t], ROW)
+                _, S_next = mgpu.step_tile(S, None, ld(0), ld(1), mgpu.load_tile(cols(v_smem, t, j), COL),
+                                           b_ref[r, t, h], layout=SL)
+                S = jnp.where(t < nk, S_next, S)
 
-            @pl.when(t + 1 == sa)
-            def _():
-                s_smem[...] = S
+                @pl.when(t + 1 == sa)
+                def _(S=S, j=j):
+                    tile(s_smem, j)[...] = S
 
-        f_smem[...] = S
+            tile(f_smem, j)[...] = S
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(f_smem, pool_ref.at[row, :, pl.ds(v0, vt)])
-        plgpu.copy_smem_to_gmem(s_smem, pool_ref.at[jnp.maximum(srow, 0) + h, :, pl.ds(v0, vt)],
-                                predicate=srow >= 0)
+        for j in range(tiles):
+            pc = pool_cols(v0, j)
+            plgpu.copy_smem_to_gmem(tile(f_smem, j), pool_ref.at[row, :, pc])
+            plgpu.copy_smem_to_gmem(tile(s_smem, j), pool_ref.at[jnp.maximum(srow, 0) + h, :, pc],
+                                    predicate=srow >= 0)
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM((K, vt), f32, **mgpu._f32_tiled()),
-        plgpu.SMEM((K, vt), f32, **mgpu._f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
         plgpu.SMEM((2, T, K), f32),
-        plgpu.SMEM((T, vt), f32),
-        plgpu.Barrier(num_arrivals=4, num_barriers=1),
+        plgpu.SMEM((T, span), f32),
+        plgpu.Barrier(num_arrivals=3 + tiles, num_barriers=1),
     ]
     i32 = lambda x: x.astype(jnp.int32)
     ins = (k, v, g, beta, i32(base), i32(snap_base), i32(n_keep), i32(snap_at))
-    _, pool3 = _launch(body, ins, pool3, [], (R, HV, V // vt), ("row", "head", "vtile"), scratch, "kda_fold_mgpu",
+    _, pool3 = _launch(body, ins, pool3, [], (R, HV, V // span), ("row", "head", "vtile"), scratch, "kda_fold_mgpu",
                        auto_barriers)
     return pool3
 
@@ -382,13 +411,13 @@ def fold(S0, cap, n_keep, snap_at=None, *, impl):
 
 
 def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pallas", auto_barriers=None,
-              layout=None):
+              layout=None, tiles=1):
     """The fold straight on the recurrent pool, in place: pool `[S, L, HV, K, V]` f32, slots
     `[N]`, cap `[N, L, T, HV, X]` (all L layers), n_keep `[N]`; with `snap_at` / `snap_dst` `[N]`
     the state after snap_at steps is written to slot snap_dst (where 0 < snap_at <= n_keep it is a
     real checkpoint; callers point the others at a sink slot). One launch, no gather or scatter:
     under a jit that donates the pool only the touched rows are read and written. auto_barriers,
-    layout: `fold_mgpu`'s (impl "pallas"). impl "xla" (and any impl when there are no sequences or
+    layout, tiles: `fold_mgpu`'s (impl "pallas"). impl "xla" (and any impl when there are no sequences or
     no steps): the states gathered, `spec.kda_fold`, scattered back (the working slots first, then
     the snapshots). -> pool."""
     from pallas_kernels.kda import checks
@@ -420,6 +449,6 @@ def fold_pool(pool, slots, cap, n_keep, snap_at=None, snap_dst=None, *, impl="pa
     else:
         sbase, sa = _fold_rows(N, L, HV, snap_dst), rep(snap_at)
     run = (fold_portable if impl == "pallas_interpret"
-           else functools.partial(fold_mgpu, auto_barriers=auto_barriers, layout=layout))
+           else functools.partial(fold_mgpu, auto_barriers=auto_barriers, layout=layout, tiles=tiles))
     out = run(pool.reshape(S_ * L * HV, K, V), base, sbase, *_flat_capture(cap, N, L, T, HV), rep(n_keep), sa)
     return out.reshape(pool.shape)

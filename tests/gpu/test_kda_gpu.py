@@ -207,12 +207,10 @@ def test_verify_and_fold(N, H, HV):
     np.testing.assert_array_equal(new[untouched], pool_np[untouched])
 
 
-@pytest.mark.parametrize("layout", [None, "colwarp8"])
-def test_verify_fold_without_auto_barriers(layout):
-    """verify (plain path) and the in-place fold with `auto_barriers=False` (session 11: not yet run
-    on the GPU) give the same bits as with the barriers: a race between a thread's stores and
-    another's loads would show up as differences. Fold with snapshots to a real slot and a sink. In
-    the default layout and in colwarp8 (vt 32)."""
+def _verify_fold_bits(layout, forms):
+    """verify's outputs (plain path, some sequences reset) and the in-place fold's pools (snapshots to
+    a real slot and a sink) under each of `forms` ({name: options of `verify_mgpu` and `fold_pool`}),
+    on the same random inputs. -> (outputs, pools, N); pool rows [:N + 1] are specified (N + 1: the sink)."""
     from pallas_kernels.kda import spec_kernels as sk
     from pallas_kernels.kda.spec import Capture
 
@@ -222,9 +220,8 @@ def test_verify_fold_without_auto_barriers(layout):
     S0 = jax.random.normal(jax.random.key(5), (N * HV, 128, 128), jnp.float32) * 0.05
     base = jnp.arange(N, dtype=jnp.int32) * HV
     reset = (jnp.arange(N) % 7 == 3).astype(jnp.int32)
-    o = {a: np.asarray(jax.jit(functools.partial(sk.verify_mgpu, auto_barriers=a, layout=layout))(
-        qf, kf, vf, gf, bf, S0, base, reset)) for a in (True, False)}
-    np.testing.assert_array_equal(o[False], o[True])
+    o = {name: np.asarray(jax.jit(functools.partial(sk.verify_mgpu, layout=layout, **kw))(
+        qf, kf, vf, gf, bf, S0, base, reset)) for name, kw in forms.items()}
     capL = Capture(*(jnp.stack([x] * L, axis=1) for x in (kf, vf, gf, bf)))
     NS = N + 2
     pool = jax.random.normal(jax.random.key(7), (NS, L, HV, 128, 128), jnp.float32) * 0.05
@@ -232,9 +229,29 @@ def test_verify_fold_without_auto_barriers(layout):
     n_keep = jnp.arange(N, dtype=jnp.int32) % (T + 1)
     snap_at = jnp.where(jnp.arange(N) == 0, jnp.minimum(1, n_keep), 0)
     dst = jnp.where(jnp.arange(N) == 0, N, N + 1).astype(jnp.int32)
-    new = {a: np.asarray(jax.jit(functools.partial(sk.fold_pool, auto_barriers=a, layout=layout))(
-        pool, slots, capL, n_keep, snap_at, dst)) for a in (True, False)}
+    new = {name: np.asarray(jax.jit(functools.partial(sk.fold_pool, layout=layout, **kw))(
+        pool, slots, capL, n_keep, snap_at, dst)) for name, kw in forms.items()}
+    return o, new, N
+
+
+@pytest.mark.parametrize("layout", [None, "colwarp8"])
+def test_verify_fold_without_auto_barriers(layout):
+    """verify and the in-place fold with `auto_barriers=False` give the same bits as with the
+    barriers: a race between a thread's stores and another's loads would show up as differences. In
+    the default layout and in colwarp8 (vt 32)."""
+    o, new, N = _verify_fold_bits(layout, {a: dict(auto_barriers=a) for a in (True, False)})
+    np.testing.assert_array_equal(o[False], o[True])
     np.testing.assert_array_equal(new[False][:N + 1], new[True][:N + 1])  # the sink slot's value is unspecified
+
+
+@pytest.mark.parametrize("layout", [None, "colwarp8"])
+def test_verify_fold_tiles_bitwise_equal_one_tile(layout):
+    """verify and fold with two V tiles a CTA (session 14: one load of the block's vectors for both,
+    the tiles stepped one after the other; not yet run on the GPU) give the bits of one tile a CTA, in
+    the default layout (two 64-wide tiles: the whole V) and in colwarp8 (two 32-wide tiles)."""
+    o, new, N = _verify_fold_bits(layout, {t: dict(tiles=t) for t in (1, 2)})
+    np.testing.assert_array_equal(o[2], o[1])
+    np.testing.assert_array_equal(new[2][:N + 1], new[1][:N + 1])
 
 
 @pytest.mark.parametrize("layout,vt,tiles,auto_barriers", [("wgmma", 64, 1, True), ("wgmma", 64, 2, True),
