@@ -142,24 +142,22 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int, tap: LayerTap | Non
     fresh = lambda: jax.tree.map(jnp.copy, state)
     work = SeqWork([t0], prompt_len, 1, pages_a)
 
-    def first(mode, run):  # the measured token's logit row (row 0 of the step: A's token leads every step)
+    def a_rows(mode, run):  # sequence A's logit rows in a step (one, or a verify block's B; A leads every step)
         if tap is not None:
             tap.mode = mode
         out = run()
         jax.effects_barrier()
-        last_out[:] = [np.asarray(out[0])[out_rows[mode]].reshape(-1, cfg.vocab_size)]
-        return last_out[0][0]
+        return np.asarray(out[0])[out_rows[mode]].reshape(-1, cfg.vocab_size)
 
-    last_out = []
     dec = pack_step([work], [], D=D, P=0, NP=0, pages_per_seq=npp)
     mix = pack_step([work], [SeqWork(other, 0, 2, pages_b)], D=D, P=128, NP=1, pages_per_seq=npp)
     block = SeqWork([t0] + rng.integers(0, cfg.vocab_size, gamma).tolist(), prompt_len, 1, pages_a)
     vb = pack_step([block], [], D=D, P=0, NP=0, pages_per_seq=npp, block=B)
     out_rows = {"decode": dec.rows[0], "mixed": mix.rows[0], "verify": vb.rows[0]}
-    row_dec = first("decode", lambda: fwd(params, fresh(), dec.batch, cfg=cfg, impl=impl))
-    row_mix = first("mixed", lambda: fwd(params, fresh(), mix.batch, cfg=cfg, impl=impl))
-    row_ver = first("verify", lambda: ver(params, fresh(), vb.batch, cfg=cfg, block=B, impl=impl))
-    rows_ver = last_out[0]  # the block's B rows
+    row_dec = a_rows("decode", lambda: fwd(params, fresh(), dec.batch, cfg=cfg, impl=impl))[0]
+    row_mix = a_rows("mixed", lambda: fwd(params, fresh(), mix.batch, cfg=cfg, impl=impl))[0]
+    rows_ver = a_rows("verify", lambda: ver(params, fresh(), vb.batch, cfg=cfg, block=B, impl=impl))
+    row_ver = rows_ver[0]
     # the block's tokens decoded one step at a time (what plain decoding runs): row j against verify's row j
     if tap is not None:
         tap.mode = "chain"  # not compared per layer

@@ -251,25 +251,30 @@ def _dot_precisions(jaxpr, out):
     return out
 
 
+def _step_jaxprs(cfg):
+    """The jaxprs of a mixed step (one decode token, a 3-token prefill) and of a speculative verify
+    block of 3 tokens, on `cfg`'s random weights (XLA path)."""
+    import functools
+
+    from k3jax.model.forward import forward, forward_verify
+
+    params = init_params(cfg, 0)
+    mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
+    block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
+    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
+                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
+        yield jax.make_jaxpr(f)(params, fresh_state(cfg), batch).jaxpr
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_f32_model_multiplies_in_f32(dtype):
     """Every matmul of an f32 model's step (a mixed step and a speculative verify block) runs at
     "highest" precision (XLA's default rounds f32 inputs to TF32 on a GPU for some row counts and not
     others, so verify blocks and decode steps parted on the H200); a bf16 model's are left at the
     default."""
-    import functools
-
-    from k3jax.model.forward import forward, forward_verify
-
-    cfg = preset("k3-tiny").replace(dtype=dtype)
-    params = init_params(cfg, 0)
-    mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
-    block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
     hi = str((jax.lax.Precision.HIGHEST,) * 2)
-    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
-                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
-        jx = jax.make_jaxpr(f)(params, fresh_state(cfg), batch)
-        precs = [str(p) for p in _dot_precisions(jx.jaxpr, [])]
+    for jx in _step_jaxprs(preset("k3-tiny").replace(dtype=dtype)):
+        precs = [str(p) for p in _dot_precisions(jx, [])]
         assert len(precs) > 50 and set(precs) == ({hi} if dtype == "float32" else {"None"}), set(precs)
 
 
@@ -278,17 +283,8 @@ def test_step_sums_without_scatter_add():
     sum colliding updates in whatever order they land, so a token's row would change from run to run
     and with the other tokens of the step (the MoE combine gathers each token's k expert outputs
     back and adds them in choice order instead)."""
-    import functools
-
-    from k3jax.model.forward import forward, forward_verify
-
-    cfg = preset("k3-tiny")
-    params = init_params(cfg, 0)
-    mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
-    block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
-    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
-                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
-        eqns = list(_eqns(jax.make_jaxpr(f)(params, fresh_state(cfg), batch).jaxpr))
+    for jx in _step_jaxprs(preset("k3-tiny")):
+        eqns = list(_eqns(jx))
         assert any(e.primitive.name == "ragged_dot_general" or e.primitive.name == "ragged_dot" for e in eqns)
         adds = [e for e in eqns if e.primitive.name.startswith("scatter") and "add" in e.primitive.name
                 and jax.numpy.issubdtype(e.outvars[0].aval.dtype, jax.numpy.floating)]
