@@ -293,9 +293,7 @@ def main(argv=None):
                     help="prefill rows also time the chunk from raw q, k and bf16 gate logits (K3's lower-bound "
                          "gate): the gate and the L2 norm fused in the prep kernel (fused_inputs_ms) against XLA "
                          "computing them before the kernels (xla_inputs_ms, the model's default path), and fla's "
-                         "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms); "
-                         "fused_inputs_six_levels_ms: the fused kernel without the bounded-gate block level "
-                         "(mgpu.PREP_BLOCK_LEVELS = False)")
+                         "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -357,11 +355,7 @@ def main(argv=None):
         from pallas_kernels.kda import Gate
         from pallas_kernels.kda.ref import fused_inputs_ref
 
-        from pallas_kernels.kda.prep import block_levels
-
-        merged = block_levels(lower_bound)
-        out = {"fused_prep": f"v9: gate ({lower_bound} lower bound) and L2 norm at the load; levels 0-{merged - 1} "
-                             f"merged into one product (prep.block_levels), six levels in *_six_levels_ms"}
+        out = {"fused_prep": f"gate ({lower_bound} lower bound) and L2 norm at the prep kernel's load"}
         gen = torch.Generator(device=dev).manual_seed(B * T + H)
         scale_rows = lambda x: (x.float() * (0.2 + 5.8 * torch.rand(B, T, H, 1, device=dev, generator=gen))).to(x.dtype)
         qr, kr = scale_rows(torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16)), scale_rows(
@@ -386,17 +380,6 @@ def main(argv=None):
             del a, b
             out["fused_inputs_ms"] = jax_ms(lambda: ([fused(*j, gate) for _ in range(R)], R))
             out["xla_inputs_ms"] = jax_ms(lambda: ([xla(*j, gate) for _ in range(R)], R))
-            # the same fused kernel with the six levels (no bounded-gate block level)
-            mgpu.PREP_BLOCK_LEVELS = False
-            try:
-                six = jax.jit(lambda q, k, v, f, beta, h0, gate: kda_chunk(
-                    q, k, v, f, beta, initial_state=h0, gate=gate, qk_l2norm=True, impl="pallas"))
-                c = six(*j, gate)
-                out["rel_err_six_levels_vs_block"] = rel(c[0], fused(*j, gate)[0])
-                del c
-                out["fused_inputs_six_levels_ms"] = jax_ms(lambda: ([six(*j, gate) for _ in range(R)], R))
-            finally:
-                mgpu.PREP_BLOCK_LEVELS = True
         except Exception as e:
             out["fused_inputs_error"] = repr(e)[:400]
             traceback.print_exc()

@@ -44,7 +44,6 @@ _SEL_NEW = "lambda: ((ti() ^ ii()) >= (1 << lv)) & ((ti() ^ ii()) < (2 << lv)) &
 _SCORES = """                        plgpu.wgmma(acc_k, ek, plgpu.transpose_ref(r_s, (1, 0)))
                         plgpu.wgmma(acc_q, eq, plgpu.transpose_ref(r_s, (1, 0)))
 """
-_MERGED = "merged = block_levels(lower_bound, CHUNK_TOKENS) if fused_gate and PREP_BLOCK_LEVELS else 0"
 _PARAMS = "_PREP_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True)"
 
 _PRECISE = (_PARAMS, _PARAMS.replace(", approx_math=True)", ")"))
@@ -71,9 +70,7 @@ VARIANTS = {
     "nolev": ("candidate: no level-index tile (the level masks from t ^ i and the level's bit)",
               [(_LEV_TABLE, ""), (_S_OLD, _S_NEW), (_SEL_OLD, _SEL_NEW)]),
     "A_nolevels": ("ablation: no levels (akk = aqk = 0)",
-                   [("carry = lax.fori_loop(0, nl - merged, level, (zero, zero))", "carry = (zero, zero)")]),
-    "merged5": ("candidate (v9, session 13): levels 0-4 merged into one product, what a fused lower-bound gate of -5 "
-                "runs (these inputs' gates stay above -2.6 per token: in range)", [(_MERGED, "merged = 5")]),
+                   [("return lax.fori_loop(0, nl, level, (zero, zero))", "return (zero, zero)")]),
     "A_nosolve": ("ablation: no solve (Tinv = A)",
                   [("Tinv = pl.run_scoped(solve, plgpu.SMEM((2, C, C), bf, **tiled((C, C), bf)))",
                     "Tinv = A.astype(bf)")]),

@@ -214,39 +214,6 @@ def test_matmul_form_prep_matches_reference(gate):
             assert err < (2e-3 if c == 0 else 1e-4), (name, c, err)
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, -0.5])
-def test_matmul_form_prep_merges_levels_for_bounded_gates(lower_bound):
-    """`prep.chunk_prep(..., merged=n)` (levels 0 to n-1 in one product, both sides referenced to the
-    middle row of each 2^n-row block: for gates bounded below, K3's lower-bound sigmoid) equals the
-    reference's intra-chunk part and the six levels, down to gates at the bound in every token (a
-    factor then reaches exp(80)); `block_levels` picks the most levels that bound keeps in range."""
-    from pallas_kernels.kda.prep import block_levels, chunk_prep
-    from pallas_kernels.kda.ref import _chunk_intra
-
-    assert [block_levels(b) for b in (-5.0, -5.3, -0.5, -30.0, -100.0, None)] == [5, 4, 6, 2, 0, 0]
-    merged = block_levels(lower_bound)
-    rng = np.random.default_rng(5)
-    n, C, K, V = 3, 64, 32, 16
-    l2 = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q = jnp.asarray(l2(rng.normal(size=(n, C, K))) * K**-0.5, jnp.float32)
-    k = jnp.asarray(l2(rng.normal(size=(n, C, K))), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(n, C, V)), jnp.float32)
-    g = jnp.asarray(lower_bound / (1 + np.exp(-2 * rng.normal(size=(n, C, K)))), jnp.float32)
-    g = g.at[0].set(lower_bound * (1 - 1e-7))  # every token at the bound
-    beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(n, C)))), jnp.float32)
-    with jax.default_matmul_precision("highest"):
-        got = jax.jit(functools.partial(chunk_prep, merged=merged))(q, k, v, g, beta)
-        levels = jax.jit(chunk_prep)(q, k, v, g, beta)
-        want = jax.jit(_chunk_intra)(q, k, v, g, beta)
-    for name, a, b, c in zip(("w", "u0", "Aqk", "qg", "kd", "gl"), got, want, levels):
-        a, b, c = (np.asarray(x, np.float64) for x in (a, b, c))
-        assert np.isfinite(a).all(), name
-        for i in range(n):
-            err = np.linalg.norm(a[i] - b[i]) / max(np.linalg.norm(b[i]), 1e-30)
-            assert err < 1e-4, (name, i, err)
-            assert np.linalg.norm(a[i] - c[i]) <= 1e-4 * max(np.linalg.norm(c[i]), 1e-30), (name, i)
-
-
 @pytest.mark.parametrize("prep", ["mgpu", "mgpu_loop"])
 def test_prep_kernel_in_interpret_mode(prep):
     """The Mosaic GPU prep kernel itself, run by Mosaic GPU interpret mode on the CPU, gives the
@@ -306,16 +273,13 @@ def _gate_numpy(f, gate):
     return gate.lower_bound / (1.0 + np.exp(-a * x))
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0, -2.0])
-def test_prep_kernel_fuses_gate_and_l2norm(lower_bound, monkeypatch):
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_prep_kernel_fuses_gate_and_l2norm(lower_bound):
     """The Mosaic GPU prep kernel with the gate and the L2 norm fused (`gate=`, `qk_l2norm=True`: it
     loads bf16 gate logits and raw q, k), in Mosaic GPU interpret mode, gives the chunk operands of
     the XLA prep on the gate and the norms computed first (`ref.fused_inputs_ref`), for both gate
-    forms (the lower-bound one with `PREP_BLOCK_LEVELS`, off by default since it measured slower:
-    levels 0-4 merged at -5, all six at -2, `prep.block_levels`); NaN padding tokens stay masked."""
+    forms; NaN padding tokens stay masked."""
     from pallas_kernels.kda import mgpu
-
-    monkeypatch.setattr(mgpu, "PREP_BLOCK_LEVELS", True)
     from pallas_kernels.kda.ref import fused_inputs_ref
 
     rng = np.random.default_rng(11)
@@ -323,7 +287,7 @@ def test_prep_kernel_fuses_gate_and_l2norm(lower_bound, monkeypatch):
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     T, H, HV, K, V = int(cu[-1]) + 3, 1, 2, 64, 64
     q, k, v, f, beta, gate = _fused_inputs(rng, (1, T), H, HV, K, V, lower_bound)
-    f = f.at[:, 70:110].set(30.0)  # saturated: decays at the bound (merged levels' factors near exp(80))
+    f = f.at[:, 70:110].set(30.0)  # saturated: decays at the bound
     q, k, v, beta = (x.astype(jnp.bfloat16) for x in (q, k, v, beta))
     q, k, v, f, beta = (x.at[:, int(cu[-1]):].set(jnp.nan) for x in (q, k, v, f, beta))
     got = mgpu.chunk_operands(q, k, v, f, beta, None, cu, scale=None, interpret=True, gate=gate, qk_l2norm=True)
@@ -408,8 +372,8 @@ def test_fused_prep_reads_logits_not_g(lowered_modules):
     H, HV, K, V, T = 2, 4, 128, 128, 203
     bf = jnp.bfloat16
     g_in = f"memref<208x{HV}x{K}x"  # the g / logits input, rows padded to a multiple of 8
-    # unfused; fused with the softplus gate (six levels); with a lower bound of -2 (all six levels merged)
-    for fused, lb in ((False, None), (True, None), (True, -2.0)):
+    # unfused; fused with the softplus gate; fused with K3's lower-bound gate
+    for fused, lb in ((False, None), (True, None), (True, -5.0)):
         kw = {"gate": Gate(jnp.zeros(HV), jnp.zeros(HV * K), lb), "qk_l2norm": True} if fused else {}
         lowered_modules.clear()
         _export_cuda(functools.partial(mgpu.chunk, scale=K**-0.5, **kw), sd((1, T, H, K), bf), sd((1, T, H, K), bf),

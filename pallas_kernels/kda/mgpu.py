@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kda.prep import block_levels, chunk_prep
+from pallas_kernels.kda.prep import chunk_prep
 from pallas_kernels.kda.ref import fused_inputs_ref
 from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
 
@@ -465,11 +465,6 @@ def _bf16_split(x):
 
 
 _L2_EPS = 1e-6  # `ref.l2norm`'s
-# with a fused lower-bound gate, the prep kernel's low levels merge into one product (`prep.block_levels`:
-# levels 0-4 for K3's -5); False (the default): the six levels as for any gate. Measured slower on the
-# H200 (session 13: the fused chunk 2.87 ms merged against 2.14 with six levels at 32k x 12; the prep
-# kernel alone 1.33 against 1.01 ms), so off; read at trace time
-PREP_BLOCK_LEVELS = False
 
 
 def _gate_rows(gate, HV, K):
@@ -506,9 +501,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     log decay from them at the load (`ref.kda_gate_ref`'s formula; exp and log are approximate, as
     every exp here), so g is neither written nor read in f32. qk_l2norm: q and k come
     un-normalised and are L2-normalised at the load (`ref.l2norm`, rsqrt). Both as
-    flash-linear-attention's `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`. A lower-bound gate
-    bounds every token's decay, so the low levels merge into one product (`prep.block_levels`,
-    `PREP_BLOCK_LEVELS`): for K3's -5, levels 0-4, two level products instead of six."""
+    flash-linear-attention's `use_gate_in_kernel` / `use_qk_l2norm_in_kernel`."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC = ctok.shape[0]
@@ -522,8 +515,6 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
 
     fused_gate = gate is not None
     lower_bound = gate.lower_bound if fused_gate else None
-    # the gate bounds the decay per token: the low levels merge into one product (`prep.block_levels`)
-    merged = block_levels(lower_bound, CHUNK_TOKENS) if fused_gate and PREP_BLOCK_LEVELS else 0
 
     def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, ctok_ref, cnum_ref, cval_ref, *refs):
         if fused_gate:
@@ -665,27 +656,13 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
                     sk, sq = scores(ek, eq, lambda: (lev1 == lv + 1) & (ti() > ii()))
                     return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
 
-                def merged_levels(carry):
-                    # bounded gates (v9): levels 0 to merged-1 in one product. With D = G - G_r from
-                    # level merged-1's sums, exp(G_t - G_i) = exp(D_t) exp(-D_i) for every pair t > i of
-                    # a 2^merged-row block, each factor within exp(+-2^(merged-1) |lower_bound|) <= exp(80)
-                    # (`prep.block_levels`)
-                    d = level_sums(merged - 1)
-                    r_s[...] = (ld(k_s) * jnp.exp(-d)).astype(bf)
-                    plgpu.commit_smem()
-                    up = jnp.exp(d)
-                    sk, sq = scores((ld(k_s) * up).astype(bf), (ld(q_s) * up).astype(bf),
-                                    lambda: (lev1 <= merged) & (ti() > ii()))
-                    return (sk, sq) if carry is None else (carry[0] + sk, carry[1] + sq)
-
-                if loops and nl > merged:
+                if loops:
                     zero = jnp.zeros((C, C), f32) if interpret else plgpu.layout_cast(jnp.zeros((C, C), f32), WGMMA)
-                    carry = lax.fori_loop(0, nl - merged, level, (zero, zero))
-                else:
-                    carry = None
-                    for j in range(nl - merged):
-                        carry = level(j, carry)
-                return merged_levels(carry) if merged else carry
+                    return lax.fori_loop(0, nl, level, (zero, zero))
+                carry = None
+                for j in range(nl):
+                    carry = level(j, carry)
+                return carry
 
             with jax.named_scope("levels"):
                 akk, aqk = pl.run_scoped(levels, smem((C, K), bf))
@@ -772,8 +749,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ],
         compiler_params=_PREP_PARAMS,
-        kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + (f"_merged{merged}" if merged else "")
-        + ("_l2" if qk_l2norm else ""),
+        kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + ("_l2" if qk_l2norm else ""),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
     extra = [_gate_rows(gate, HV, K)] if fused_gate else []

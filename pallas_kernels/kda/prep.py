@@ -15,15 +15,6 @@ the reference and without overflow for any gate, every step a C x C matrix produ
 
   so each level is one [C, K] x [K, C] product of scaled k (or q) with scaled k, masked to its
   pairs; the log2(C) levels cover every i < t exactly once. The diagonal of Aqk is q_t . k_t.
-- bounded gates (g >= lower_bound per token, as K3's gate guarantees): levels 0 to n-1 merge into one
-  product. Level n-1's decay sums D_t = G_t - G_r, r the middle row (the last of the first half) of
-  t's 2^n-row block, give every pair t > i of the block
-
-      exp(G_t - G_i) = exp(D_t) * exp(-D_i)      (each factor within exp(+-2^(n-1) |lower_bound|))
-
-  which stays inside the f32 / bf16 range when 2^(n-1) |lower_bound| <= 80 (flash-linear-attention's
-  `safe_gate` rests on the same bound). `block_levels(lower_bound)` is that n (K3's -5: n = 5, so
-  two level products, the merged block and level 5, instead of six).
 - (I + A)^-1 with A strictly lower: the 16 x 16 diagonal blocks D by Neumann doubling
   (prod_j (I + N^(2^j)), N = -A_diag, nilpotent), then with M = D^-1 L (L: the blocks below,
   M^4 = 0): (I + A)^-1 = (I - M)(I + M^2) D^-1. Ten C x C products.
@@ -37,19 +28,6 @@ import numpy as np
 
 SUB = 16  # diagonal block of the solve
 HI = jax.lax.Precision.HIGHEST
-_MAX_LOG = 80.0  # exp(80) ~ 5.5e34: a margin below the f32 / bf16 limit exp(88.7)
-
-
-def block_levels(lower_bound, C: int = 64) -> int:
-    """How many low levels (0 to n-1) one product covers for gates bounded below by lower_bound (per
-    token; None: unbounded): the largest n <= log2(C) with 2^(n-1) |lower_bound| <= 80, or 0 when that
-    merges fewer than two levels."""
-    if lower_bound is None:
-        return 0
-    n = 0
-    while 2 ** (n + 1) <= C and 2**n * abs(float(lower_bound)) <= _MAX_LOG:
-        n += 1
-    return n if n >= 2 else 0
 
 
 def level_tables(C: int):
@@ -71,24 +49,16 @@ def level_tables(C: int):
     return lc, s_last, np.stack(S).astype(np.float32), np.stack(M)
 
 
-def pair_scores(q, k, g, merged=0):
+def pair_scores(q, k, g):
     """Level form of (A_kk strictly lower, A_qk lower incl. diagonal) and (G, D_last = G_C - G):
-    q (pre-scaled), k, g [..., C, K] f32. merged: levels 0 to merged-1 in one product (bounded gates
-    only: `block_levels`)."""
+    q (pre-scaled), k, g [..., C, K] f32."""
     C = q.shape[-2]
     lc, s_last, S, M = (jnp.asarray(x) for x in level_tables(C))
     mm = lambda a, b: jnp.einsum("ti,...ik->...tk", a, b, precision=HI)
     G, d_last = mm(lc, g), mm(s_last, g)
     akk = jnp.zeros(q.shape[:-1] + (C,), jnp.float32)
     aqk = jnp.where(jnp.eye(C, dtype=bool), jnp.einsum("...tk,...ik->...ti", q, k), 0.0)
-    if merged:
-        d = mm(S[merged - 1], g)  # G_t - G_r, r the middle row of t's 2^merged-row block
-        up, down = jnp.exp(d), jnp.exp(-d)
-        t, i = np.arange(C)[:, None], np.arange(C)[None, :]
-        pairs = jnp.asarray(((t ^ i) < 2**merged) & (i < t))
-        akk += jnp.where(pairs, jnp.einsum("...tk,...ik->...ti", k * up, k * down), 0.0)
-        aqk += jnp.where(pairs, jnp.einsum("...tk,...ik->...ti", q * up, k * down), 0.0)
-    for lv in range(merged, S.shape[0]):
+    for lv in range(S.shape[0]):
         d = mm(S[lv], g)
         fl, fr = jnp.exp(jnp.minimum(d, 0.0)), jnp.exp(jnp.minimum(-d, 0.0))
         rk = k * fr
@@ -117,11 +87,10 @@ def unit_lower_inverse(A, sub=SUB):
     return Y - mm(M, Y)
 
 
-def chunk_prep(q, k, v, g, beta, merged=0):
+def chunk_prep(q, k, v, g, beta):
     """q (pre-scaled), k, g [..., C, K], v [..., C, V], beta [..., C], f32 ->
-    (w [..., C, K], u0 [..., C, V], Aqk [..., C, C], qg [..., C, K], kd [..., C, K], gl [..., K]).
-    merged: `pair_scores`'s merged low levels (bounded gates)."""
-    akk, aqk, G, d_last = pair_scores(q, k, g, merged)
+    (w [..., C, K], u0 [..., C, V], Aqk [..., C, C], qg [..., C, K], kd [..., C, K], gl [..., K])."""
+    akk, aqk, G, d_last = pair_scores(q, k, g)
     Tinv = unit_lower_inverse(beta[..., :, None] * akk)
     eG = jnp.exp(G)
     bt = beta[..., None]
