@@ -16,9 +16,9 @@ calls() {
    one-barrier vt-32 forms and colwarp8 (kernel times from a profile), ~2 min -> tests.txt, kda_b1.json
 2  decode at batch 64, 256, 1024 x 12 and 96 heads: the default against colwarp8 at 1, 2, 4 tiles a CTA
    (~5 min) -> kda_colwarp8.json
-3  prefill rows with the gate and the L2 norm fused (ours fused, six levels, XLA first; fla fused) at
+3  prefill rows with the gate and the L2 norm fused (ours fused, XLA first; fla fused) at
    1 x 32k x 12 and 8 x 4k x 12, then verify + fold without barriers and in colwarp8 at 256 x 12 and
-   64 x 12, then the prep kernel alone with levels 0-4 merged and with no levels (~6 min)
+   64 x 12, then the prep kernel alone and with no levels (~6 min; ran in session 13)
    -> kda_fused.json, kda_verify.json, ablation.json
 4  k3-mini prefill 4k and 16k (pallas without and with the fused inputs, xla) and decode at batch 1,
    with the profile's kda_proj/qk_norm and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json
@@ -30,13 +30,15 @@ calls() {
    engine: plain twice, speculative with and without overlap, the verify rows against a decode chain),
    then the XLA path's verify rows against the chain (~9 min) -> tests.txt, bi_pallas.json, bi_xla.json
 7  call 6 cut to a short budget: tests/gpu/test_engine_gpu.py (the model and the engine on the kernels,
-   the speculative xfail), then the Pallas-path engine check (~4 min) -> tests.txt, bi_pallas.json
+   the speculative test, since session 15 on both paths and strict), then the Pallas-path engine
+   check (~6 min) -> tests.txt, bi_pallas.json
 8  which XLA_FLAGS make the f32 GEMM rows batch-invariant (session 14: at M = 20 against M = 4, 6 of 10
    weight shapes differ on the H200 and none on the CPU): the GEMM table (--no-step) under six flag sets
    (none; split-K autotuning off; autotune level 0; cuBLAS only; split-K off + no dot strength
    reduction; deterministic ops), one process each (~6 min) -> gemm_<set>.json
-9  the speculative engine test and the engine check under the flags in $2 (a call-8 set that made
-   the rows invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
+9  the speculative engine tests and the engine check (speculative tokens against plain, parted
+   requests with their f32 logit margins) under the flags in $2 (a call-8 set that made the rows
+   invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
    -> tests.txt, bi_pallas.json
 10 verify + fold with two and four V tiles a CTA (session 14): tests/gpu's tiles and bitwise cases, then
    verify + fold at 64 x 12 and 256 x 12 in colwarp and colwarp8 at 1 and 2 tiles (~8 min)
@@ -81,7 +83,7 @@ case "$1" in
         --breakdown none --out "$OUT/kda_fused.json"
     step kda_verify $K --decode-batch --verify 256x12 64x12 --verify-no-auto-barriers \
         --verify-layouts colwarp8 --prefill --breakdown none --out "$OUT/kda_verify.json"
-    step ablation python3 bench/kda_prep_ablation.py --variants base merged5 A_nolevels \
+    step ablation python3 bench/kda_prep_ablation.py --variants base A_nolevels \
         --out "$OUT/ablation.json"
     ;;
 4)
@@ -104,7 +106,7 @@ case "$1" in
         --out "$OUT/bi_xla.json"
     ;;
 7)
-    step tests timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 3 -rfEX
+    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 4 -rfEX
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step bi_pallas timeout 150 python3 bench/batch_invariance.py --seeds 1 --engine --no-gemm --impl pallas \
         --out "$OUT/bi_pallas.json"
@@ -123,7 +125,7 @@ case "$1" in
     ;;
 9)
     : "${2:?call 9 takes the XLA_FLAGS to test as its second argument}"
-    step tests env XLA_FLAGS="$2" timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfEX \
+    step tests env XLA_FLAGS="$2" timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfEX \
         tests/gpu/test_engine_gpu.py -k speculative
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step bi_pallas env XLA_FLAGS="$2" timeout 200 python3 bench/batch_invariance.py --seeds 1 --engine \

@@ -247,31 +247,40 @@ def _eqns(jaxpr):
 
 
 def _dot_precisions(jaxpr, out):
-    out.extend(e.params["precision"] for e in _eqns(jaxpr) if e.primitive.name == "dot_general")
+    out.extend(e.params["precision"] for e in _eqns(jaxpr) if e.primitive.name in ("dot_general", "ragged_dot_general"))
     return out
 
 
 def _step_jaxprs(cfg):
-    """The jaxprs of a mixed step (one decode token, a 3-token prefill) and of a speculative verify
-    block of 3 tokens, on `cfg`'s random weights (XLA path)."""
+    """The jaxprs of the engine's two jitted steps, whole (XLA path, `cfg`'s random weights): a plain
+    mixed step (one decode token, a 3-token prefill: restore, forward, snapshot, sample) and a
+    speculative step with a verify block of 3 tokens (verify, accept, fold)."""
     import functools
 
-    from k3jax.model.forward import forward, forward_verify
+    import jax.numpy as jnp
+
+    from k3jax.engine.runner import SamplingBatch, _engine_step
+    from k3jax.spec.step import _spec_step
+    from k3jax.state import StateOps
 
     params = init_params(cfg, 0)
     mixed = pack_step([SeqWork([5], 3, 2, [1])], [SeqWork([1, 2, 3], 0, 1, [0])], D=1, P=8, NP=1, pages_per_seq=PPS)
     block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
-    for f, batch in ((functools.partial(forward, cfg=cfg, impl="xla"), mixed.batch),
-                     (functools.partial(forward_verify, cfg=cfg, block=3, impl="xla"), block.batch)):
-        yield jax.make_jaxpr(f)(params, fresh_state(cfg), batch).jaxpr
+    i32 = lambda n: jnp.zeros(n, jnp.int32)
+    ops = lambda n: StateOps(i32(n), i32(n))
+    samp = lambda n: SamplingBatch(jnp.zeros(n), i32(n), jnp.ones(n), jnp.zeros((n, 2), jnp.uint32))
+    yield jax.make_jaxpr(functools.partial(_engine_step, cfg=cfg, impl="xla"))(
+        params, fresh_state(cfg), mixed.batch, ops(2), i32(2), samp(2)).jaxpr
+    yield jax.make_jaxpr(functools.partial(_spec_step, cfg=cfg, impl="xla", block=3))(
+        params, fresh_state(cfg), block.batch, ops(1), i32(1), samp(3)).jaxpr
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_f32_model_multiplies_in_f32(dtype):
-    """Every matmul of an f32 model's step (a mixed step and a speculative verify block) runs at
-    "highest" precision (XLA's default rounds f32 inputs to TF32 on a GPU for some row counts and not
-    others, so verify blocks and decode steps parted on the H200); a bf16 model's are left at the
-    default."""
+    """Every matmul of an f32 model's engine steps (a plain mixed step; a speculative step: verify,
+    accept, fold) runs at "highest" precision (XLA's default rounds f32 inputs to TF32 on a GPU for some
+    row counts and not others, so verify blocks and decode steps parted on the H200; until session 15
+    the XLA fold ran outside the scope); a bf16 model's are left at the default."""
     hi = str((jax.lax.Precision.HIGHEST,) * 2)
     for jx in _step_jaxprs(preset("k3-tiny").replace(dtype=dtype)):
         precs = [str(p) for p in _dot_precisions(jx, [])]

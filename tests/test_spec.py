@@ -212,3 +212,24 @@ def test_batch_invariance_bench_reports_every_layer():
         assert all(np.isfinite(r["maxabs"]) and r["maxabs"] < 1e-3 for r in rows)
     assert len(step["verify_vs_decode_chain_maxabs"]) == 4
     assert max(step["verify_vs_decode_chain_maxabs"]) < 1e-3 and step["same_argmax"]
+
+
+def test_parted_requests_reports_the_first_difference_and_its_margin():
+    """bench/batch_invariance.py's triage (also the GPU speculative test's failure message): for a request
+    whose tokens part it names the first differing token and the referee's logit margin there; greedy
+    tokens are the referee's argmax, so a changed token has a positive margin."""
+    from bench.batch_invariance import parted_requests
+
+    model = load_model("k3-tiny", seed=0)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    want = []
+    for p in prompts:  # three greedy tokens from the plain forward
+        toks = []
+        for _ in range(3):
+            toks.append(int(model.logits(p + toks)[-1].argmax()))
+        want.append(toks)
+    got = [want[0][:1] + [(want[0][1] + 1) % model.config.vocab_size] + want[0][2:], list(want[1])]
+    (r,) = parted_requests(model, prompts, got, want)
+    assert (r["request"], r["index"], r["want"], r["got"]) == (0, 1, want[0][1], got[0][1])
+    assert r["referee_argmax"] == want[0][1] and r["margin"] > 0 and r["top2_gap"] > 0
+    assert parted_requests(model, prompts, want, want) == []
