@@ -44,6 +44,10 @@ calls() {
    verify + fold at 64 x 12 and 256 x 12 in colwarp and colwarp8 at 1 and 2 tiles (~8 min)
    -> tests.txt, kda_verify_tiles.json. With call 2, decides STEP_LAYOUT = "colwarp8" (1 x 96 decode:
    5.6-5.7 us against 6.1; it lost only verify + fold at 64 x 12, 0.245 ms against 0.156)
+11 aligned segments (session 15): tests/gpu's pack-offset, varlen, snapshot / pool cases with and without
+   mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
+   with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
+   if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
 EOF
 }
 
@@ -137,6 +141,13 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step kda_verify_tiles $K --decode-batch --verify 64x12 256x12 --verify-layouts colwarp colwarp8 \
         --verify-tiles 1 2 --prefill --breakdown none --out "$OUT/kda_verify_tiles.json"
+    ;;
+11)
+    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 4 -rfEX \
+        -k "pack_offset or varlen_chunk or snapshot_and_pool or speculative"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step kda_aligned $K --decode-batch --verify --prefill 8x4096x12 --align-segments --breakdown none \
+        --out "$OUT/kda_aligned.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -294,6 +294,11 @@ def main(argv=None):
                          "gate): the gate and the L2 norm fused in the prep kernel (fused_inputs_ms) against XLA "
                          "computing them before the kernels (xla_inputs_ms, the model's default path), and fla's "
                          "chunk_kda with use_gate_in_kernel and use_qk_l2norm_in_kernel (fla_fused_inputs_ms)")
+    ap.add_argument("--align-segments", action="store_true",
+                    help="prefill rows of several sequences also time mgpu.ALIGN_SEGMENTS (each sequence moved to "
+                         "a row that is a multiple of 8 first, so its chunk grid starts at its first token): "
+                         "aligned_ms against ours_ms (and whether the bits are equal), and a varlen pack with "
+                         "unaligned starts both ways (varlen_unaligned_packed_ms / _aligned_ms)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--verify", nargs="*", default=["1x12", "64x12", "256x12", "256x96"],
                     help="verify + fold shapes, batch x heads")
@@ -391,6 +396,33 @@ def main(argv=None):
                 out["fla_fused_inputs_ms"] = do_bench(ff, warmup=10, rep=100, return_mode="median")
             except Exception as e:
                 out["fla_fused_inputs_error"] = repr(e)[:400]
+        return out
+
+    def aligned_segments_row(jin, o_packed, B, T, R):
+        """`mgpu.ALIGN_SEGMENTS` (each sequence moved to a row that is a multiple of 8 before the kernels,
+        o gathered back) against the packed layout: on the row's B x T sequences (aligned starts already:
+        the same grid, so the same bits), and on a varlen pack of the same rows with every sequence 5
+        tokens shorter (unaligned starts: what the engine's prefill steps pack)."""
+        pk = lambda x: x.reshape((1, B * T) + x.shape[2:])
+        cu_eq = jnp.arange(B + 1, dtype=jnp.int32) * T
+        lens = [T - 5] * (B - 1) + [T + 5 * (B - 1)]
+        cu_un = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        out = {}
+        for on in (False, True):
+            mgpu.ALIGN_SEGMENTS = on
+            try:
+                f = jax.jit(lambda *a: kda_chunk(*map(pk, a[:5]), initial_state=a[5], cu_seqlens=a[6], impl="pallas"))
+                tag = "aligned" if on else "packed"
+                if on:
+                    o = f(*jin, cu_eq)[0]
+                    out["aligned_bitwise_equal_packed"] = bool(jnp.array_equal(o[0], pk(o_packed)[0]))
+                    out["aligned_ms"] = jax_ms(lambda: ([f(*jin, cu_eq) for _ in range(R)], R))
+                out[f"varlen_unaligned_{tag}_ms"] = jax_ms(lambda: ([f(*jin, cu_un) for _ in range(R)], R))
+            except Exception as e:
+                out[f"align_segments_{on}_error"] = repr(e)[:400]
+                traceback.print_exc()
+            finally:
+                mgpu.ALIGN_SEGMENTS = False
         return out
 
     rows = []
@@ -555,6 +587,9 @@ def main(argv=None):
             ours = jax_ms(run)
             if args.fused_inputs:
                 row.update(fused_inputs_row(jin, (q, k, v, g, beta, h0), B, T, H, R))
+            if args.align_segments and B > 1:
+                row.update(aligned_segments_row(jin, (o_ref := fn(*jin)[0]), B, T, R))
+                del o_ref
             # split: the XLA intra-chunk prep vs the Mosaic GPU sequential kernel
             cu = jnp.arange(B + 1, dtype=jnp.int32) * T
             pk = lambda x: x.reshape((1, B * T) + x.shape[2:])

@@ -568,6 +568,93 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
         assert "mosaic_gpu" in e.mlir_module()
 
 
+def test_aligned_segments_lower_for_cuda(monkeypatch):
+    """With `ALIGN_SEGMENTS` on, the chunk entry points (varlen, a snapshot, the pool form) still lower
+    to the Mosaic GPU kernels, on the gathered rows: the prep kernel's inputs have the layout's row
+    count (T + 7 segments, rounded up to 8), not T."""
+    from pallas_kernels.kda import mgpu
+
+    monkeypatch.setattr(mgpu, "ALIGN_SEGMENTS", True)
+    sd = jax.ShapeDtypeStruct
+    H, HV, K, V, T = 2, 4, 128, 128, 203
+    bf = jnp.bfloat16
+    qkvgb = (sd((1, T, H, K), bf), sd((1, T, H, K), bf), sd((1, T, HV, V), bf), sd((1, T, HV, K), jnp.float32),
+             sd((1, T, HV), bf))
+    e = _export_cuda(functools.partial(mgpu.chunk, scale=K**-0.5), *qkvgb, sd((3, HV, K, V), jnp.float32),
+                     sd((4,), jnp.int32))
+    text = e.mlir_module()
+    assert "mosaic_gpu" in text and "x232x2x128xbf16>" in text  # 203 rows + 7 x 4 segments, to a multiple of 8
+    api = "scatter" if mgpu._pallas_call_available() else "ref"
+    kw = {"snapshot_at": jnp.array([5, 64, -1], jnp.int32), "snapshot_slots": jnp.array([4, 5, 6])}
+    cp = functools.partial(mgpu.chunk_pool, layer=1, scale=K**-0.5, api=api, **kw)
+    e = _export_cuda(cp, *qkvgb, sd((8, 2, HV, K, V), jnp.float32), sd((3,), jnp.int32), sd((3,), bool),
+                     sd((4,), jnp.int32))
+    assert "mosaic_gpu" in e.mlir_module()
+
+
+def _inter_mirror(ops, rows):
+    """The Mosaic GPU inter kernel's walk in numpy (`ref._chunk_inter` in f32 on the bf16 chunk operands)
+    over `mgpu.chunk_operands`' table: each segment from its h0 row through its chunks, chunk c's outputs
+    to rows [ctok, ctok + cnum) from chunk position ctok % 8, as the kernel stores them -> (o [rows, HV, V]
+    with NaN where nothing is written, final state per segment)."""
+    from pallas_kernels.kda.ref import _chunk_inter
+
+    w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum = (np.asarray(x, np.float32) if x is not None else None for x in ops)
+    HV, V = u0.shape[1], u0.shape[-1]
+    o = np.full((rows, HV, V), np.nan, np.float32)
+    finals = []
+    for s in range(len(ccu) - 1):
+        S = h0[s]
+        for c in range(int(ccu[s]), int(ccu[s + 1])):
+            oc, S = _chunk_inter(S, w[c], u0[c], aqk[c], qg[c], np.swapaxes(kdT[c], -1, -2), gl[c])
+            t, n, lead = int(ctok[c]), int(cnum[c]), int(ctok[c]) % 8
+            o[t:t + n] = np.swapaxes(np.asarray(oc), 0, 1)[lead:lead + n]
+        finals.append(np.asarray(S))
+    return o, np.stack(finals)
+
+
+@pytest.mark.parametrize("prep", ["xla", "mgpu_loop"])
+def test_aligned_segments_make_a_sequence_independent_of_its_offset(prep):
+    """`mgpu.ALIGN_SEGMENTS` (`_segment_layout`): each varlen segment moved to a row that is a multiple of
+    8, so its chunk grid starts at its first token. Sequence B then gets the same chunk operands, outputs
+    and final state, bit for bit, after a 5-token and after an 8-token sequence, and the whole pack matches
+    the f32 varlen reference (< 2e-2: bf16 operands); the packed layout (the default until timed on the
+    H200) anchors B's grid at its row rounded down to 8, so there B's results depend on what precedes it.
+    The inter kernel's part runs as a numpy mirror of its walk (`_inter_mirror`); the prep is the XLA one
+    or the Mosaic GPU kernel in interpret mode."""
+    from pallas_kernels.kda import mgpu
+    from pallas_kernels.kda.ref import kda_chunk_varlen_ref
+
+    rng = np.random.default_rng(21)
+    H, HV, K, V = 1, 2, 64, 64
+    tail = inputs(rng, (1, 103), H, HV, K, V)  # B (100 tokens), C (3)
+    runs = {}
+    for a_len in (5, 8):
+        head = inputs(np.random.default_rng(a_len), (1, a_len), H, HV, K, V)
+        x = [jnp.concatenate([h, t, jnp.zeros((1, 4) + t.shape[2:], t.dtype)], axis=1) for h, t in zip(head, tail)]
+        T = x[0].shape[1]
+        cu = jnp.asarray([0, a_len, a_len + 100, a_len + 103], jnp.int32)
+        h0 = jnp.asarray(rng.normal(size=(3, HV, K, V)) * 0.1, jnp.float32).at[1].set(0.5)  # B's own start state
+        want_o, want_s = kda_chunk_varlen_ref(*x, None, h0, cu, 64)
+        for aligned in (True, False):
+            lay = mgpu._segment_layout(mgpu._segments(cu, T), T, aligned)
+            with jax.default_matmul_precision("highest"):
+                ops = mgpu.chunk_operands(*x, h0, cu, scale=None, prep=prep, interpret=prep != "xla", layout=lay)
+            o, fin = _inter_mirror(ops, lay.rows)
+            o = o if lay.back is None else o[np.asarray(lay.back)]
+            assert np.isfinite(o).all()  # every packed row written (padding rows as zeros)
+            assert (o[int(cu[-1]):] == 0).all()
+            rel = lambda a, b: np.linalg.norm(a - np.asarray(b)) / np.linalg.norm(np.asarray(b))
+            assert rel(o[:int(cu[-1])], want_o[0, :int(cu[-1])]) < 2e-2 and rel(fin[:3], want_s) < 2e-2
+            b_ops = [np.asarray(op)[np.asarray(ops[7])[1]:np.asarray(ops[7])[2]] for op in ops[:6]]  # B's chunks
+            runs[a_len, aligned] = (o[a_len:a_len + 100], fin[1], b_ops)
+    for i in range(3):
+        got, other = runs[5, True][i], runs[8, True][i]
+        for a, b in zip(got, other) if i == 2 else [(got, other)]:
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(runs[5, False][0], runs[8, False][0])  # the packed grid: B depends on A
+
+
 # ---- speculative verify-with-capture and the ReplaySSM fold -------------------------------------
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -446,6 +447,59 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
 # chunk boxes start on multiples of this many packed rows (`chunk_table(..., align=_ALIGN)`): a chunk
 # whose first token is row tok holds it at chunk position tok % _ALIGN
 _ALIGN = 8
+# Each segment of a varlen prefill (a sequence, or the parts of one around its snapshot token) moved to
+# a row that is a multiple of 8 before the kernels (`_segment_layout`: a gather of the inputs, and of o
+# back), so its chunk grid starts at its first token. Without it the grid starts at that row rounded down
+# to 8, and a sequence's rounding (the chunk operands are bf16) depends on the lengths of the sequences
+# before it in the pack: on batch composition. Off until timed on the H200 (the gathers cost a copy of the
+# inputs when there are two or more segments); read at trace time.
+ALIGN_SEGMENTS = False
+
+
+class SegmentLayout(NamedTuple):
+    """Where the kernels find a varlen prefill's segments (`_segment_layout`)."""
+
+    cu: jax.Array  # i32[S + 1] the segments' bounds in the kernels' rows
+    rows: int  # the kernels' row count R
+    src: jax.Array | None  # i32[R] the packed row each kernel row holds (-1: a pad row); None: the same rows
+    back: jax.Array | None  # i32[T] the kernel row of each packed row; None: the same rows
+
+
+def _segments(cu_seqlens, T, snapshot_at=None):
+    """The chunk kernels' segments over the T packed rows: each sequence (with snapshot_at, its first
+    snapshot_at[i] tokens and the rest: a chunk ends at the snapshot token), then the padding tokens past
+    cu[N] as one more (discarded) segment with zero inputs, so the kernels write every output row and the
+    padding rows come out 0 -> i32[S + 1] bounds."""
+    cu = cu_seqlens.astype(jnp.int32)
+    N = cu.shape[0] - 1
+    if snapshot_at is None:
+        return jnp.concatenate([cu, jnp.full((1,), T, jnp.int32)])
+    a = jnp.clip(jnp.asarray(snapshot_at, jnp.int32), 0, cu[1:] - cu[:-1])
+    mid = cu[:-1] + a  # segments [start, start + a), [start + a, end), then the padding and an empty one
+    return jnp.concatenate([jnp.stack([cu[:-1], mid], 1).reshape(-1), cu[N:], jnp.full((2,), T, jnp.int32)])
+
+
+def _segment_layout(seg, T, aligned: bool) -> SegmentLayout:
+    """The packed rows as they are, or (aligned) every segment of `seg` starting on a multiple of
+    _ALIGN rows, followed by up to _ALIGN - 1 pad rows (R = T + (_ALIGN - 1) S rounded up to _ALIGN)."""
+    if not aligned:
+        return SegmentLayout(seg, T, None, None)
+    S = seg.shape[0] - 1
+    lens = seg[1:] - seg[:-1]
+    pcu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(-(-lens // _ALIGN) * _ALIGN).astype(jnp.int32)])
+    R = -(-(T + (_ALIGN - 1) * S) // _ALIGN) * _ALIGN
+    r = jnp.arange(R, dtype=jnp.int32)
+    s_r = jnp.clip(jnp.searchsorted(pcu[1:], r, side="right"), 0, S - 1)
+    off = r - pcu[s_r]
+    src = jnp.where((r < pcu[S]) & (off < lens[s_r]), seg[s_r] + off, -1)
+    t = jnp.arange(T, dtype=jnp.int32)
+    s_t = jnp.clip(jnp.searchsorted(seg[1:], t, side="right"), 0, S - 1)
+    return SegmentLayout(pcu, R, src, pcu[s_t] + t - seg[s_t])
+
+
+def _use_aligned_segments(N, snapshot_at) -> bool:
+    """Static: whether a prefill of N sequences is laid out by segment (two or more real segments)."""
+    return ALIGN_SEGMENTS and (N > 1 or snapshot_at is not None)
 
 
 def _gpu_interpret_params():
@@ -965,14 +1019,17 @@ def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="
     gate (`ref.Gate`: g holds the gate logits) and qk_l2norm (q, k un-normalised): computed by the
     prep kernel on its tiles (`_chunk_prep_call`)."""
     N = cu_seqlens.shape[0] - 1
+    lay = _segment_layout(_segments(cu_seqlens, q.shape[1], snapshot_at), q.shape[1],
+                          _use_aligned_segments(N, snapshot_at))
     ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
-                         gate=gate, qk_l2norm=qk_l2norm)
+                         gate=gate, qk_l2norm=qk_l2norm, layout=lay)
     vt = inter_vt(N, v.shape[-2], v.shape[-1]) if vt is None else vt
-    res = _chunk_inter_call(*ops, q.shape[1], vt=vt, snap=snapshot_at is not None)
+    res = _chunk_inter_call(*ops, lay.rows, vt=vt, snap=snapshot_at is not None)
+    o = res[0] if lay.back is None else res[0][lay.back]
     if snapshot_at is None:
-        return res[0][None], res[1][:N]
+        return o[None], res[1][:N]
     snaps = jnp.where((jnp.asarray(snapshot_at) >= 0)[:, None, None, None], res[2][:N], 0.0)
-    return res[0][None], res[1][:N], snaps
+    return o[None], res[1][:N], snaps
 
 
 def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale, snapshot_at=None,
@@ -988,8 +1045,10 @@ def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale
     S_, L, HV, K, V = pool.shape
     api = api or ("scatter" if _pallas_call_available() else "ref")
     snap = snapshot_at is not None
+    lay = _segment_layout(_segments(cu_seqlens, q.shape[1], snapshot_at), q.shape[1],
+                          _use_aligned_segments(N, snapshot_at))
     ops = chunk_operands(q, k, v, g, beta, None, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
-                         states=False, gate=gate, qk_l2norm=qk_l2norm)
+                         states=False, gate=gate, qk_l2norm=qk_l2norm, layout=lay)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     row = lambda sl: (i32(sl) * L + layer) * HV
     none = jnp.full((1,), -1, jnp.int32)  # the padding sequence reads zeros and writes nothing
@@ -998,45 +1057,53 @@ def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale
     snp = jnp.concatenate([jnp.where(i32(snapshot_at) >= 0, row(snapshot_slots), -1), none]) if snap else dst
     vt = inter_vt(N, HV, V) if vt is None else vt
     pool3 = pool.reshape(S_ * L * HV, K, V)
-    res = _chunk_inter_call(*ops, q.shape[1], vt=vt, pool=pool3, rows=(src, dst, snp), snap=snap, api=api)
+    res = _chunk_inter_call(*ops, lay.rows, vt=vt, pool=pool3, rows=(src, dst, snp), snap=snap, api=api)
+    o = res[0] if lay.back is None else res[0][lay.back]
     if api == "ref":
-        return res[0][None], res[1].reshape(pool.shape)
+        return o[None], res[1].reshape(pool.shape)
     if api != "scatter":
         raise ValueError(f"unknown chunk_pool api {api!r}")
     from pallas_kernels.kda import write_states
 
-    return res[0][None], write_states(pool, layer, slots, res[1][:N], snapshot_at, snapshot_slots,
+    return o[None], write_states(pool, layer, slots, res[1][:N], snapshot_at, snapshot_slots,
                                       res[2][:N] if snap else None)
 
 
 def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="mgpu_loop", interpret=False,
-                   snapshot_at=None, states=True, gate=None, qk_l2norm=False):
+                   snapshot_at=None, states=True, gate=None, qk_l2norm=False, layout: SegmentLayout | None = None):
     """The part of `chunk` before the sequential kernel: the chunk table and the intra-chunk prep
     -> the operands of `_chunk_inter_call` (w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum).
     interpret: run the prep kernel in Mosaic GPU interpret mode (CPU tests). snapshot_at [N]: each
     sequence is two segments (its first snapshot_at[i] tokens, the rest), so a chunk ends at the
     snapshot token; ccu then indexes the 2 (N + 1) segments. states=False: h0 is None (the pool
     form of the inter kernel reads the states itself). gate / qk_l2norm: the prep kernel computes the
-    log decay from the logits g and normalises q and k (prep "xla": `ref.fused_inputs_ref` first)."""
+    log decay from the logits g and normalises q and k (prep "xla": `ref.fused_inputs_ref` first).
+    layout: the rows the kernels work on (`_segment_layout`; default: `ALIGN_SEGMENTS`'s choice); the
+    chunk table's rows (ctok) are that layout's, and so are the inter kernel's output rows."""
     _, T, H, K = q.shape
     HV, V = v.shape[-2], v.shape[-1]
     N = cu_seqlens.shape[0] - 1
     C = CHUNK_TOKENS
     cu = cu_seqlens.astype(jnp.int32)
-    # the padding tokens past cu[N] form one more (discarded) sequence with zero inputs, so the
-    # kernel writes every output row and the padding rows come out 0
-    cu_ext = jnp.concatenate([cu, jnp.full((1,), T, jnp.int32)])
-    if snapshot_at is not None:  # segments: [start, start + a), [start + a, end) per sequence, then
-        # the padding tokens and an empty segment
-        a = jnp.clip(jnp.asarray(snapshot_at, jnp.int32), 0, cu[1:] - cu[:-1])
-        mid = cu[:-1] + a
-        cu_ext = jnp.concatenate([jnp.stack([cu[:-1], mid], 1).reshape(-1), cu[N:], jnp.full((2,), T, jnp.int32)])
-    tab = chunk_table(cu_ext, T, C, align=_ALIGN)
-    valid = tab.token_valid & (tab.token_idx < cu[N])
+    if layout is None:
+        layout = _segment_layout(_segments(cu, T, snapshot_at), T, _use_aligned_segments(N, snapshot_at))
+    T = layout.rows
+    if layout.src is None:
+        exists, real = None, jnp.arange(T) < cu[N]
+    else:  # each segment moved to its row; pad rows (src -1) are zero and outside every chunk's tokens
+        exists = layout.src >= 0
+        real = exists & (layout.src < cu[N])
+        take = lambda x: jnp.where(exists.reshape((1, T) + (1,) * (x.ndim - 2)), x[:, jnp.maximum(layout.src, 0)],
+                                   jnp.zeros((), x.dtype))
+        q, k, v, g, beta = map(take, (q, k, v, g, beta))
+    tab = chunk_table(layout.cu, T, C, align=_ALIGN)
+    tidx = jnp.clip(tab.token_idx, 0, T - 1)
+    valid = tab.token_valid & real[tidx]
     scale = K**-0.5 if scale is None else scale
     bf = jnp.bfloat16
     ctok = tab.token_idx[:, 0] + tab.chunk_lead  # first token of each chunk
-    cnum = jnp.sum(tab.token_valid, axis=1).astype(jnp.int32)
+    # its token count (the inter kernel writes those output rows: padding tokens too, as zeros; not pad rows)
+    cnum = jnp.sum(tab.token_valid if exists is None else tab.token_valid & exists[tidx], axis=1).astype(jnp.int32)
     if prep in ("mgpu", "mgpu_loop"):
         # the kernel reads each chunk's box straight from the packed tokens (rows padded to a
         # multiple of 8 only where T is not one: a TMA box into swizzled tiles covers whole tiles).

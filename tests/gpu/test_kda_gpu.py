@@ -91,9 +91,14 @@ def test_decode_in_place(N, H, HV, opts):
     np.testing.assert_array_equal(p[:, 0], pool_np[:, 0])
 
 
-@pytest.mark.parametrize("H,HV,vt", [(12, 12, 64), (4, 8, 64), (4, 8, 32)])
-def test_varlen_chunk(H, HV, vt):
-    """vt: the inter kernel's V tile (64 through `kda_chunk`; 32: twice the CTAs, 64-byte swizzles)."""
+@pytest.mark.parametrize("H,HV,vt,aligned", [(12, 12, 64, False), (4, 8, 64, False), (4, 8, 32, False),
+                                             (12, 12, 64, True)])
+def test_varlen_chunk(H, HV, vt, aligned, monkeypatch):
+    """vt: the inter kernel's V tile (64 through `kda_chunk`; 32: twice the CTAs, 64-byte swizzles).
+    aligned: `mgpu.ALIGN_SEGMENTS` (each sequence moved to a row that is a multiple of 8 first)."""
+    from pallas_kernels.kda import mgpu
+
+    monkeypatch.setattr(mgpu, "ALIGN_SEGMENTS", aligned)
     lens = [0, 1, 63, 64, 65, 1000, 130, 0, 2048]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     T = int(cu[-1]) + 37  # padding tokens, NaN: the kernels read chunk boxes around them and must mask them
@@ -292,11 +297,38 @@ def test_verify_fold_bitwise_equal_decode(layout, vt, tiles, auto_barriers, monk
     np.testing.assert_array_equal(np.asarray(S), np.asarray(pool[:, 0]))
 
 
-def test_chunk_snapshot_and_pool_states_by_slot():
+def test_chunk_does_not_depend_on_the_pack_offset(monkeypatch):
+    """DESIGN.md section 4 (tokens do not depend on batch composition), for the chunk kernels: with
+    `ALIGN_SEGMENTS`, sequence B (1,000 tokens) prefilled after a 5-token sequence and after an 8-token
+    one gets the same outputs and final state, bit for bit (its chunk grid starts at its first token).
+    In the packed layout (the default until the gathers are timed) B's grid starts at its row rounded
+    down to 8 and its bf16 chunk operands round differently (the CPU test shows that part)."""
+    from pallas_kernels.kda import mgpu
+
+    monkeypatch.setattr(mgpu, "ALIGN_SEGMENTS", True)
+    H = HV = 12
+    tail = make(jax.random.key(7), (1, 1000 + 3), H, HV)  # B, then a 3-token sequence
+    h0 = jax.random.normal(jax.random.key(3), (3, HV, 128, 128), jnp.float32) * 0.05
+    fn = jax.jit(lambda *a: kda_chunk(*a[:5], initial_state=a[5], cu_seqlens=a[6], impl="pallas"))
+    outs = []
+    for a_len in (5, 8):
+        head = make(jax.random.key(a_len), (1, a_len), H, HV)
+        x = [jnp.concatenate([h, t], axis=1) for h, t in zip(head, tail)]
+        o, ht = fn(*x, h0, jnp.asarray([0, a_len, a_len + 1000, a_len + 1003], jnp.int32))
+        outs.append((np.asarray(o[0, a_len:a_len + 1000]), np.asarray(ht[1])))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_chunk_snapshot_and_pool_states_by_slot(aligned, monkeypatch):
     """The chunk kernels with a snapshot at a given token (inside a chunk, on a boundary, none) and
     with the states read from and written to the pool by slot in place (`kda_chunk_pool`): against
-    the f32 references; a reset slot (NaN) is never read, every other pool row is untouched."""
-    from pallas_kernels.kda import kda_chunk_pool
+    the f32 references; a reset slot (NaN) is never read, every other pool row is untouched.
+    aligned: `mgpu.ALIGN_SEGMENTS` (the two parts of a sequence around its snapshot token are segments)."""
+    from pallas_kernels.kda import kda_chunk_pool, mgpu
+
+    monkeypatch.setattr(mgpu, "ALIGN_SEGMENTS", aligned)
 
     lens = [0, 1, 65, 1000, 130]
     at = np.array([0, 1, 64, 500, -1], np.int32)
