@@ -497,9 +497,12 @@ def _segment_layout(seg, T, aligned: bool) -> SegmentLayout:
     return SegmentLayout(pcu, R, src, pcu[s_t] + t - seg[s_t])
 
 
-def _use_aligned_segments(N, snapshot_at) -> bool:
-    """Static: whether a prefill of N sequences is laid out by segment (two or more real segments)."""
-    return ALIGN_SEGMENTS and (N > 1 or snapshot_at is not None)
+def _layout_for(cu_seqlens, T, snapshot_at=None) -> SegmentLayout:
+    """The layout a prefill of these sequences runs in: by segment when `ALIGN_SEGMENTS` is on and there
+    are two or more real segments (a single sequence already starts at row 0), else the packed rows."""
+    N = cu_seqlens.shape[0] - 1
+    aligned = ALIGN_SEGMENTS and (N > 1 or snapshot_at is not None)
+    return _segment_layout(_segments(cu_seqlens, T, snapshot_at), T, aligned)
 
 
 def _gpu_interpret_params():
@@ -1019,8 +1022,7 @@ def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="
     gate (`ref.Gate`: g holds the gate logits) and qk_l2norm (q, k un-normalised): computed by the
     prep kernel on its tiles (`_chunk_prep_call`)."""
     N = cu_seqlens.shape[0] - 1
-    lay = _segment_layout(_segments(cu_seqlens, q.shape[1], snapshot_at), q.shape[1],
-                          _use_aligned_segments(N, snapshot_at))
+    lay = _layout_for(cu_seqlens, q.shape[1], snapshot_at)
     ops = chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
                          gate=gate, qk_l2norm=qk_l2norm, layout=lay)
     vt = inter_vt(N, v.shape[-2], v.shape[-1]) if vt is None else vt
@@ -1045,8 +1047,7 @@ def chunk_pool(q, k, v, g, beta, pool, slots, reset, cu_seqlens, *, layer, scale
     S_, L, HV, K, V = pool.shape
     api = api or ("scatter" if _pallas_call_available() else "ref")
     snap = snapshot_at is not None
-    lay = _segment_layout(_segments(cu_seqlens, q.shape[1], snapshot_at), q.shape[1],
-                          _use_aligned_segments(N, snapshot_at))
+    lay = _layout_for(cu_seqlens, q.shape[1], snapshot_at)
     ops = chunk_operands(q, k, v, g, beta, None, cu_seqlens, scale=scale, prep=prep, snapshot_at=snapshot_at,
                          states=False, gate=gate, qk_l2norm=qk_l2norm, layout=lay)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
@@ -1086,7 +1087,7 @@ def chunk_operands(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, prep="
     C = CHUNK_TOKENS
     cu = cu_seqlens.astype(jnp.int32)
     if layout is None:
-        layout = _segment_layout(_segments(cu, T, snapshot_at), T, _use_aligned_segments(N, snapshot_at))
+        layout = _layout_for(cu, T, snapshot_at)
     T = layout.rows
     if layout.src is None:
         exists, real = None, jnp.arange(T) < cu[N]
