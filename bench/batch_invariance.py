@@ -32,6 +32,23 @@ bit the same in a verify step (blocks of gamma + 1 tokens per sequence) as in a 
    precision scope, in TF32 on a GPU (fixed in session 15); emulated on the CPU (its products' inputs
    rounded to TF32) it parts request 5, one of the two the H200's XLA path parted. The Pallas path's
    fold is a kernel, so its parting in one session-14 run is still unexplained.
+
+    python3 bench/batch_invariance.py --out bench/results/batch_invariance_h200.json
+    python3 bench/batch_invariance.py --engine --gemm-noise 1e-5 --no-gemm --seeds 1
+
+Measured on the CPU (k3-tiny with 128-wide KDA heads, f32, XLA path; `results/batch_invariance_cpu.json`):
+the step is not bitwise batch-invariant there either. The logit rows differ by up to ~4e-5, and
+4 of the 10 GEMM shapes give a different row 0 at M = 1, 132 and 148 than at M = 4 (~1e-6). The
+differences are small enough that tests/test_engine.py's speculative runs stay token-identical
+on the CPU. On the H200 in session 10 (TF32 GEMMs) the logit row moved by ~0.02 between verify and
+decode steps. Since session 12 an f32 model's step multiplies at "highest" precision
+(`k3jax.model.forward.matmul_precision`); on the H200 in session 14 (`results/session14/`,
+`results/batch_invariance_h200.json`) the rows then differ by 2-3e-5, as on the CPU; every layer's
+output moves by ~1e-6 from layer 0 on (the weight products: 0 of 10 GEMM shapes are bitwise
+row-invariant, ~1e-6); the engine's speculative tokens equal plain decoding's on the Pallas path but
+not on the XLA path (2 of 8 requests part at tokens 3 and 5), with overlap on and off alike. That run
+still had the MoE combine as a scatter-add, whose GPU atomics sum a token's expert outputs in
+arrival order (not reproducible from run to run); it is a gather and ordered adds since.
 """
 
 from __future__ import annotations
@@ -177,6 +194,11 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int, tap: LayerTap | Non
     return res
 
 
+def first_diff(a, b):
+    """The first index where token lists a and b differ (None: none within the shorter)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def parted_requests(ref_model, prompts, got, want) -> list[dict]:
     """Each request whose tokens part (`got` against `want`): its first differing token, both tokens,
     and the referee's logits there (`ref_model`, e.g. the f32 XLA path, on the prompt and the common
@@ -184,7 +206,7 @@ def parted_requests(ref_model, prompts, got, want) -> list[dict]:
     near-tie (DESIGN.md section 4); a large one means one of the runs computed something else."""
     out = []
     for i, (p, g, w) in enumerate(zip(prompts, got, want)):
-        j = next((t for t, (x, y) in enumerate(zip(g, w)) if x != y), None)
+        j = first_diff(g, w)
         if j is None:
             if len(g) != len(w):
                 out.append({"request": i, "index": min(len(g), len(w)), "lengths": [len(g), len(w)]})
@@ -207,7 +229,6 @@ def engine_runs(model) -> dict:
     phase1, phase2 = workload()
     prompts = phase1 + phase2(want[: len(phase1)])
     oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, model.config.vocab_size)
-    first_diff = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     again = run_workload(LLM(model, prefix_cache=True, overlap=True, **ENGINE_KW))
     out = {"plain_again": {"first_diff": [first_diff(g, w) for g, w in zip(again, want)]}}
     print(f"engine, plain run again vs plain: first differing token per request {out['plain_again']['first_diff']}",

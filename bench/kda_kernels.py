@@ -588,8 +588,7 @@ def main(argv=None):
             if args.fused_inputs:
                 row.update(fused_inputs_row(jin, (q, k, v, g, beta, h0), B, T, H, R))
             if args.align_segments and B > 1:
-                row.update(aligned_segments_row(jin, (o_ref := fn(*jin)[0]), B, T, R))
-                del o_ref
+                row.update(aligned_segments_row(jin, fn(*jin)[0], B, T, R))
             # split: the XLA intra-chunk prep vs the Mosaic GPU sequential kernel
             cu = jnp.arange(B + 1, dtype=jnp.int32) * T
             pk = lambda x: x.reshape((1, B * T) + x.shape[2:])

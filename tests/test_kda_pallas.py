@@ -648,10 +648,9 @@ def test_aligned_segments_make_a_sequence_independent_of_its_offset(prep):
             assert rel(o[:int(cu[-1])], want_o[0, :int(cu[-1])]) < 2e-2 and rel(fin[:3], want_s) < 2e-2
             b_ops = [np.asarray(op)[np.asarray(ops[7])[1]:np.asarray(ops[7])[2]] for op in ops[:6]]  # B's chunks
             runs[a_len, aligned] = (o[a_len:a_len + 100], fin[1], b_ops)
-    for i in range(3):
-        got, other = runs[5, True][i], runs[8, True][i]
-        for a, b in zip(got, other) if i == 2 else [(got, other)]:
-            np.testing.assert_array_equal(a, b)
+    (o5, s5, ops5), (o8, s8, ops8) = runs[5, True], runs[8, True]
+    for a, b in [(o5, o8), (s5, s8), *zip(ops5, ops8)]:
+        np.testing.assert_array_equal(a, b)
     assert not np.array_equal(runs[5, False][0], runs[8, False][0])  # the packed grid: B depends on A
 
 
