@@ -30,11 +30,16 @@ bit the same in a verify step (blocks of gamma + 1 tokens per sequence) as in a 
    or not; at 1e-4 the routed model parts in 2 of 6, every-expert in none. So the H200's ~1e-6 alone
    does not explain session 14's parting. On the XLA path the fold did: it ran outside the matmul
    precision scope, in TF32 on a GPU (fixed in session 15); emulated on the CPU (its products' inputs
-   rounded to TF32) it parts request 5, one of the two the H200's XLA path parted. The Pallas path's
-   fold is a kernel, so its parting in one session-14 run is still unexplained.
+   rounded to TF32) it parts request 5, one of the two the H200's XLA path parted. `--bf16-chunk`
+   rounds the chunked prefill's operands to bf16 as the Pallas chunk kernels do (`bf16_chunk`); with
+   `--gemm-noise 1e-6` on the XLA path that is the Pallas path's numerics, and it parts the workload in
+   3 of 4 noise patterns (session 16): the bf16 roundings turn the prefill rows' ~1e-6 row-count noise
+   (a mixed step's GEMMs hold one decode row per request in plain decoding, gamma + 1 in a verify
+   block) into ~4e-3 changes of single elements, enough to flip router near-ties.
 
     python3 bench/batch_invariance.py --out bench/results/batch_invariance_h200.json
     python3 bench/batch_invariance.py --engine --gemm-noise 1e-5 --no-gemm --seeds 1
+    python3 bench/batch_invariance.py --engine --impl xla --gemm-noise 1e-6 --bf16-chunk --no-gemm --seeds 1
 
 Measured on the CPU (k3-tiny with 128-wide KDA heads, f32, XLA path; `results/batch_invariance_cpu.json`):
 the step is not bitwise batch-invariant there either. The logit rows differ by up to ~4e-5, and
@@ -283,6 +288,30 @@ def gemm_noise(eps: float, salt: int = 0):
             m.proj = exact
 
 
+@contextlib.contextmanager
+def bf16_chunk():
+    """Emulates the Mosaic GPU chunk kernels' operand rounding on the XLA path (any backend): the chunked
+    prefill's q, k, v enter in bf16 and its intra-chunk products (w, u0, Aqk, qg, kd: the inter kernel's
+    wgmma operands) leave in bf16, as `mgpu.chunk_operands` hands them over; the gate and the state stay
+    f32. A rounding to bf16 turns a ~1e-6 change of an f32 input into a change of one bf16 ulp (~4e-3
+    relative) in a few elements: an amplifier of the GEMM rows' row-count dependence (`gemm_noise`).
+    Read at trace time: use a fresh model name."""
+    import pallas_kernels.kda.ref as kref
+
+    exact = kref._chunk_intra
+    bf = lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
+
+    def rounded(q, k, v, g, beta):
+        w, u0, aqk, qg, kd, gl = exact(bf(q), bf(k), bf(v), g, beta)
+        return bf(w), bf(u0), bf(aqk), bf(qg), bf(kd), gl
+
+    kref._chunk_intra = rounded
+    try:
+        yield
+    finally:
+        kref._chunk_intra = exact
+
+
 def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
     """Row 0 of x[:M] @ W for every distinct 2-D weight shape, against M = 4, at the matmul precision
     the model's step uses (`forward.matmul_precision`: "highest" for an f32 model since session 12)."""
@@ -332,22 +361,31 @@ def main(argv=None):
                          "u a fixed function of its row count and column (`gemm_noise`); e.g. 1e-6 as on the H200")
     ap.add_argument("--gemm-noise-salt", type=int, default=0, help="another pattern of --gemm-noise (another "
                     "autotuning outcome); default: %(default)s")
+    ap.add_argument("--bf16-chunk", action="store_true",
+                    help="emulate the Pallas chunk kernels' bf16 operands on the XLA path (`bf16_chunk`; with "
+                         "--impl xla): with --gemm-noise, the Pallas path's numerics on any backend")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
 
     model = build_model(args.model, args.kda_head_dim or None, args.impl)
     if args.every_expert:
         model = every_expert(model)
-    if args.gemm_noise:  # a config name of its own: the noise is read at trace time
-        cfg = model.config.replace(name=f"{model.config.name}-gemm-noise-{args.gemm_noise:g}-{args.gemm_noise_salt}")
-        model = dataclasses.replace(model, config=cfg)
-    noise = gemm_noise(args.gemm_noise, args.gemm_noise_salt) if args.gemm_noise else contextlib.nullcontext()
+    if args.gemm_noise or args.bf16_chunk:  # a config name of its own: both are read at trace time
+        tag = (f"-gemm-noise-{args.gemm_noise:g}-{args.gemm_noise_salt}" if args.gemm_noise else "") + \
+            ("-bf16-chunk" if args.bf16_chunk else "")
+        model = dataclasses.replace(model, config=model.config.replace(name=model.config.name + tag))
+    noise = contextlib.ExitStack()
+    if args.gemm_noise:
+        noise.enter_context(gemm_noise(args.gemm_noise, args.gemm_noise_salt))
+    if args.bf16_chunk:
+        noise.enter_context(bf16_chunk())
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
            "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
     res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     res["every_expert"] = args.every_expert
     res["gemm_noise"] = {"eps": args.gemm_noise, "salt": args.gemm_noise_salt} if args.gemm_noise else None
+    res["bf16_chunk"] = args.bf16_chunk
     tap = LayerTap() if args.layers and not args.no_step else contextlib.nullcontext()
     with tap, noise:
         for s in tqdm(range(0 if args.no_step else args.seeds), desc="step shapes", leave=False):

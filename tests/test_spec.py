@@ -233,3 +233,29 @@ def test_parted_requests_reports_the_first_difference_and_its_margin():
     assert (r["request"], r["index"], r["want"], r["got"]) == (0, 1, want[0][1], got[0][1])
     assert r["referee_argmax"] == want[0][1] and r["margin"] > 0 and r["top2_gap"] > 0
     assert parted_requests(model, prompts, want, want) == []
+
+
+def test_bf16_chunk_emulates_the_chunk_kernels_operand_rounding():
+    """bench/batch_invariance.py's `bf16_chunk` (the Pallas chunk kernels' bf16 operands on the XLA path):
+    inside it the chunked KDA rounds q, k and v to bf16 (inputs already in bf16 give the same output), its
+    output stays within bf16 error of the exact one, and leaving it restores the exact path bit for bit."""
+    from bench.batch_invariance import bf16_chunk
+    from pallas_kernels.kda import kda_chunk
+
+    T, H, K = 70, 2, 16
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    q, k, v = (jax.random.normal(ks[i], (1, T, H, K)) for i in range(3))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (1, T, H, K)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H)))
+    cu = jnp.array([0, 29, T], jnp.int32)
+    bf = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    run = lambda q, k, v: np.asarray(kda_chunk(q, k, v, g, beta, cu_seqlens=cu, impl="xla")[0])
+    exact, exact_rounded_in = run(q, k, v), run(bf(q), bf(k), bf(v))
+    assert not np.array_equal(exact, exact_rounded_in)
+    with bf16_chunk():
+        emu, emu_rounded_in = run(q, k, v), run(bf(q), bf(k), bf(v))
+    np.testing.assert_array_equal(emu, emu_rounded_in)
+    rel = np.linalg.norm(emu - exact) / np.linalg.norm(exact)
+    assert 1e-5 < rel < 2e-2, rel
+    np.testing.assert_array_equal(run(q, k, v), exact)
