@@ -33,9 +33,10 @@ calls() {
    the speculative test, since session 15 on both paths and strict), then the Pallas-path engine
    check (~6 min) -> tests.txt, bi_pallas.json
 8  which XLA_FLAGS make the f32 GEMM rows batch-invariant (session 14: at M = 20 against M = 4, 6 of 10
-   weight shapes differ on the H200 and none on the CPU): the GEMM table (--no-step) under six flag sets
+   weight shapes differ on the H200 and none on the CPU): the GEMM table (--no-step) under seven flag sets
    (none; split-K autotuning off; autotune level 0; cuBLAS only; split-K off + no dot strength
-   reduction; deterministic ops), one process each (~6 min) -> gemm_<set>.json
+   reduction; deterministic ops; cuBLAS only + no dot strength reduction), one process each (~7 min)
+   -> gemm_<set>.json. Session 16: the Pallas path's parting needs this (bench/NOTES.md)
 9  the speculative engine tests and the engine check (speculative tokens against plain, parted
    requests with their f32 logit margins) under the flags in $2 (a call-8 set that made the rows
    invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
@@ -119,7 +120,8 @@ case "$1" in
     sets=("none:" "nosplitk:--xla_gpu_enable_split_k_autotuning=false" "autotune0:--xla_gpu_autotune_level=0"
           "cublas:--xla_gpu_enable_triton_gemm=false"
           "nosplitk_nodsr:--xla_gpu_enable_split_k_autotuning=false --xla_gpu_enable_dot_strength_reduction=false"
-          "determ:--xla_gpu_deterministic_ops=true")
+          "determ:--xla_gpu_deterministic_ops=true"
+          "cublas_nodsr:--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_dot_strength_reduction=false")
     for s in "${sets[@]}"; do
         name=${s%%:*} flags=${s#*:}
         step "gemm_$name" env XLA_FLAGS="$flags" timeout 90 python3 bench/batch_invariance.py --no-step \
