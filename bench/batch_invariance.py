@@ -259,33 +259,68 @@ def every_expert(model):
 
 
 @contextlib.contextmanager
-def gemm_noise(eps: float, salt: int = 0):
-    """Emulates the GPU's row-count-dependent GEMMs on any backend: every weight product of the model
-    (`common.proj` as the KDA, MLA and MoE layers call it) comes out times (1 + eps u), u in [-1, 1] a
-    fixed pseudo-random function of the product's row count M and the output column (and `salt`: another
-    autotuning outcome). A row then depends on the step's shape, deterministically per shape, as XLA's
-    GEMMs on the H200 (~1e-6 relative, session 14). Read at trace time: use a fresh model name."""
+def _proj_replaced(make):
+    """Every weight product of the model (`common.proj` as the KDA, MLA and MoE layers call it) replaced by
+    make(exact proj) inside the block. Read at trace time: use a fresh model name."""
     import k3jax.model.common as common
     import k3jax.model.kda as mk
     import k3jax.model.mla as mm
     import k3jax.model.moe as mo
 
     exact = common.proj
-
-    def noisy(x, w):
-        out = exact(x, w)
-        m = int(np.prod(x.shape[:-1]))
-        u = jnp.sin(m * 12.9898 + jnp.arange(out.shape[-1], dtype=jnp.float32) * 78.233 + salt * 3.7) * 43758.5453
-        return (out.astype(jnp.float32) * (1 + eps * (2 * (u - jnp.floor(u)) - 1))).astype(out.dtype)
-
     mods = (mk, mm, mo)
     for m in mods:
-        m.proj = noisy
+        m.proj = make(exact)
     try:
         yield
     finally:
         for m in mods:
             m.proj = exact
+
+
+def gemm_noise(eps: float, salt: int = 0):
+    """Emulates the GPU's row-count-dependent GEMMs on any backend: every weight product comes out times
+    (1 + eps u), u in [-1, 1] a fixed pseudo-random function of the product's row count M and the output
+    column (and `salt`: another autotuning outcome). A row then depends on the step's shape,
+    deterministically per shape, as XLA's GEMMs on the H200 (~1e-6 relative, session 14)."""
+
+    def make(exact):
+        def noisy(x, w):
+            out = exact(x, w)
+            m = int(np.prod(x.shape[:-1]))
+            u = jnp.sin(m * 12.9898 + jnp.arange(out.shape[-1], dtype=jnp.float32) * 78.233 + salt * 3.7) * 43758.5453
+            return (out.astype(jnp.float32) * (1 + eps * (2 * (u - jnp.floor(u)) - 1))).astype(out.dtype)
+
+        return noisy
+
+    return _proj_replaced(make)
+
+
+def blocked(product, rows: int):
+    """product(x, w) as a loop over fixed blocks of `rows` rows of x (the last one padded): every product
+    XLA compiles then has the same shape whatever the step's token count, so a row's bits cannot depend on
+    the GEMM algorithm XLA picks for that count (a batch-invariant weight product, at the cost of a weight
+    read per block). Each block's input and output pass an optimization barrier, so no shape-dependent
+    producer or consumer fuses into the product."""
+
+    def f(x, w):
+        lead, D = x.shape[:-1], x.shape[-1]
+        r = x.reshape(-1, D)
+        T = r.shape[0]
+        nb = max(1, -(-T // rows))
+        r = jnp.pad(r, ((0, nb * rows - T), (0, 0))).reshape(nb, rows, D)
+        barrier = jax.lax.optimization_barrier
+        out = jax.lax.map(lambda b: barrier(product(barrier(b), w)), r)
+        return out.reshape(nb * rows, -1)[:T].reshape(*lead, -1)
+
+    return f
+
+
+def row_blocks(rows: int):
+    """Every weight product of the model as `blocked` products of `rows` rows: does a batch-invariant weight
+    product make the step batch-invariant (the MoE grouped GEMM and the attention products stay as they
+    are)? Read at trace time: use a fresh model name."""
+    return _proj_replaced(lambda exact: blocked(exact, rows))
 
 
 @contextlib.contextmanager
@@ -312,18 +347,20 @@ def bf16_chunk():
         kref._chunk_intra = exact
 
 
-def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
+def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0, rows: int = 0) -> list[dict]:
     """Row 0 of x[:M] @ W for every distinct 2-D weight shape, against M = 4, at the matmul precision
-    the model's step uses (`forward.matmul_precision`: "highest" for an f32 model since session 12)."""
+    the model's step uses (`forward.matmul_precision`: "highest" for an f32 model since session 12);
+    rows > 0: as `blocked` products of that many rows."""
     from k3jax.model.forward import matmul_precision
 
     shapes = sorted({(x.shape, str(x.dtype)) for x in jax.tree.leaves(params) if x.ndim == 2 and min(x.shape) >= 16})
     out = []
     key = jax.random.key(seed)
+    product = blocked(jnp.matmul, rows) if rows else jnp.matmul
 
     def mm(x, w):
         with matmul_precision(cfg):
-            return x @ w
+            return product(x, w)
 
     mm = jax.jit(mm)
     for (shape, dt) in tqdm(shapes, desc="gemm shapes", leave=False):
@@ -364,19 +401,26 @@ def main(argv=None):
     ap.add_argument("--bf16-chunk", action="store_true",
                     help="emulate the Pallas chunk kernels' bf16 operands on the XLA path (`bf16_chunk`; with "
                          "--impl xla): with --gemm-noise, the Pallas path's numerics on any backend")
+    ap.add_argument("--row-blocks", type=int, default=0, metavar="ROWS",
+                    help="every weight product as a loop over fixed blocks of ROWS rows (`row_blocks`: a "
+                         "batch-invariant weight product; the GEMM table too); 0: off (default)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
 
     model = build_model(args.model, args.kda_head_dim or None, args.impl)
     if args.every_expert:
         model = every_expert(model)
-    if args.gemm_noise or args.bf16_chunk:  # a config name of its own: both are read at trace time
-        tag = (f"-gemm-noise-{args.gemm_noise:g}-{args.gemm_noise_salt}" if args.gemm_noise else "") + \
-            ("-bf16-chunk" if args.bf16_chunk else "")
+    if args.gemm_noise and args.row_blocks:
+        raise SystemExit("--gemm-noise and --row-blocks both replace the weight products: pick one")
+    tag = (f"-gemm-noise-{args.gemm_noise:g}-{args.gemm_noise_salt}" if args.gemm_noise else "") + \
+        ("-bf16-chunk" if args.bf16_chunk else "") + (f"-row-blocks-{args.row_blocks}" if args.row_blocks else "")
+    if tag:  # a config name of its own: these are read at trace time
         model = dataclasses.replace(model, config=model.config.replace(name=model.config.name + tag))
     noise = contextlib.ExitStack()
     if args.gemm_noise:
         noise.enter_context(gemm_noise(args.gemm_noise, args.gemm_noise_salt))
+    if args.row_blocks:
+        noise.enter_context(row_blocks(args.row_blocks))
     if args.bf16_chunk:
         noise.enter_context(bf16_chunk())
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
@@ -386,6 +430,7 @@ def main(argv=None):
     res["every_expert"] = args.every_expert
     res["gemm_noise"] = {"eps": args.gemm_noise, "salt": args.gemm_noise_salt} if args.gemm_noise else None
     res["bf16_chunk"] = args.bf16_chunk
+    res["row_blocks"] = args.row_blocks
     tap = LayerTap() if args.layers and not args.no_step else contextlib.nullcontext()
     with tap, noise:
         for s in tqdm(range(0 if args.no_step else args.seeds), desc="step shapes", leave=False):
@@ -403,7 +448,7 @@ def main(argv=None):
             res["engine"] = engine_runs(model)
     if args.no_gemm:
         return _finish(res, args)
-    res["gemm"] = gemm_rows(model.params, model.config)
+    res["gemm"] = gemm_rows(model.params, model.config, rows=args.row_blocks)
     bad = [g for g in res["gemm"] if not g["bitwise_equal"]]
     print(f"gemm: {len(res['gemm']) - len(bad)} of {len(res['gemm'])} weight shapes give row 0 bit for bit at every M")
     for g in bad:

@@ -49,6 +49,11 @@ calls() {
    mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
    with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
    if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
+12 batch-invariant weight products (session 16), Pallas path: the engine check as is (which requests part,
+   with their margins), then with every weight product as fixed 64-row blocks (`--row-blocks 64`: the
+   step's rows per layer, the engine check, the blocked GEMM table) (~6 min) -> bi_pallas.json,
+   bi_rows64.json. If the first parts and the second does not, the session-16 diagnosis holds on the
+   H200 (GEMM row noise amplified by the chunk kernels' bf16 operands) and blocked products are a remedy
 EOF
 }
 
@@ -150,6 +155,11 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step kda_aligned $K --decode-batch --verify --prefill 8x4096x12 --align-segments --breakdown none \
         --out "$OUT/kda_aligned.json"
+    ;;
+12)
+    BI="python3 bench/batch_invariance.py --seeds 1 --impl pallas"
+    step bi_pallas timeout 170 $BI --engine --no-gemm --out "$OUT/bi_pallas.json"
+    step bi_rows64 timeout 300 $BI --layers --engine --row-blocks 64 --out "$OUT/bi_rows64.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2
