@@ -51,7 +51,7 @@ calls() {
    if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
 12 batch-invariant weight products (session 16), Pallas path: the engine check as is (which requests part,
    with their margins), then with every weight product as fixed 64-row blocks (`--row-blocks 64`: the
-   step's rows per layer, the engine check, the blocked GEMM table) (~6 min) -> bi_pallas.json,
+   step's rows, the engine check, the blocked GEMM table) (~6 min) -> bi_pallas.json,
    bi_rows64.json. If the first parts and the second does not, the session-16 diagnosis holds on the
    H200 (GEMM row noise amplified by the chunk kernels' bf16 operands) and blocked products are a remedy
 EOF
@@ -158,8 +158,8 @@ case "$1" in
     ;;
 12)
     BI="python3 bench/batch_invariance.py --seeds 1 --impl pallas"
-    step bi_pallas timeout 170 $BI --engine --no-gemm --out "$OUT/bi_pallas.json"
-    step bi_rows64 timeout 300 $BI --layers --engine --row-blocks 64 --out "$OUT/bi_rows64.json"
+    step bi_pallas timeout 160 $BI --engine --no-gemm --out "$OUT/bi_pallas.json"
+    step bi_rows64 timeout 240 $BI --engine --row-blocks 64 --out "$OUT/bi_rows64.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2
