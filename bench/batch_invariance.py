@@ -259,23 +259,27 @@ def every_expert(model):
 
 
 @contextlib.contextmanager
-def _proj_replaced(make):
-    """Every weight product of the model (`common.proj` as the KDA, MLA and MoE layers call it) replaced by
-    make(exact proj) inside the block. Read at trace time: use a fresh model name."""
-    import k3jax.model.common as common
-    import k3jax.model.kda as mk
-    import k3jax.model.mla as mm
-    import k3jax.model.moe as mo
-
-    exact = common.proj
-    mods = (mk, mm, mo)
+def _swapped(mods, name: str, make):
+    """Inside the block, attribute `name` of every module in `mods` is make(its value); restored after.
+    What it replaces is read at trace time: use a fresh model name."""
+    exact = getattr(mods[0], name)
     for m in mods:
-        m.proj = make(exact)
+        setattr(m, name, make(exact))
     try:
         yield
     finally:
         for m in mods:
-            m.proj = exact
+            setattr(m, name, exact)
+
+
+def _proj_replaced(make):
+    """Every weight product of the model (`common.proj` as the KDA, MLA and MoE layers call it) replaced by
+    make(exact proj) inside the block."""
+    import k3jax.model.kda as mk
+    import k3jax.model.mla as mm
+    import k3jax.model.moe as mo
+
+    return _swapped((mk, mm, mo), "proj", make)
 
 
 def gemm_noise(eps: float, salt: int = 0):
@@ -323,7 +327,6 @@ def row_blocks(rows: int):
     return _proj_replaced(lambda exact: blocked(exact, rows))
 
 
-@contextlib.contextmanager
 def bf16_chunk():
     """Emulates the Mosaic GPU chunk kernels' operand rounding on the XLA path (any backend): the chunked
     prefill's q, k, v enter in bf16 and its intra-chunk products (w, u0, Aqk, qg, kd: the inter kernel's
@@ -333,18 +336,16 @@ def bf16_chunk():
     Read at trace time: use a fresh model name."""
     import pallas_kernels.kda.ref as kref
 
-    exact = kref._chunk_intra
     bf = lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
 
-    def rounded(q, k, v, g, beta):
-        w, u0, aqk, qg, kd, gl = exact(bf(q), bf(k), bf(v), g, beta)
-        return bf(w), bf(u0), bf(aqk), bf(qg), bf(kd), gl
+    def make(exact):
+        def rounded(q, k, v, g, beta):
+            w, u0, aqk, qg, kd, gl = exact(bf(q), bf(k), bf(v), g, beta)
+            return bf(w), bf(u0), bf(aqk), bf(qg), bf(kd), gl
 
-    kref._chunk_intra = rounded
-    try:
-        yield
-    finally:
-        kref._chunk_intra = exact
+        return rounded
+
+    return _swapped((kref,), "_chunk_intra", make)
 
 
 def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0, rows: int = 0) -> list[dict]:
@@ -416,13 +417,9 @@ def main(argv=None):
         ("-bf16-chunk" if args.bf16_chunk else "") + (f"-row-blocks-{args.row_blocks}" if args.row_blocks else "")
     if tag:  # a config name of its own: these are read at trace time
         model = dataclasses.replace(model, config=model.config.replace(name=model.config.name + tag))
-    noise = contextlib.ExitStack()
-    if args.gemm_noise:
-        noise.enter_context(gemm_noise(args.gemm_noise, args.gemm_noise_salt))
-    if args.row_blocks:
-        noise.enter_context(row_blocks(args.row_blocks))
-    if args.bf16_chunk:
-        noise.enter_context(bf16_chunk())
+    # the emulations and the blocked products, entered together with the taps below
+    patches = ([gemm_noise(args.gemm_noise, args.gemm_noise_salt)] if args.gemm_noise else []) + \
+        ([row_blocks(args.row_blocks)] if args.row_blocks else []) + ([bf16_chunk()] if args.bf16_chunk else [])
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
            "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
@@ -432,7 +429,9 @@ def main(argv=None):
     res["bf16_chunk"] = args.bf16_chunk
     res["row_blocks"] = args.row_blocks
     tap = LayerTap() if args.layers and not args.no_step else contextlib.nullcontext()
-    with tap, noise:
+    with tap, contextlib.ExitStack() as noise:
+        for p in patches:
+            noise.enter_context(p)
         for s in tqdm(range(0 if args.no_step else args.seeds), desc="step shapes", leave=False):
             r = step_rows(model, args.prompt_len, args.gamma, s, tap if args.layers else None)
             res["step"].append(r)
