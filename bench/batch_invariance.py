@@ -37,7 +37,12 @@ bit the same in a verify step (blocks of gamma + 1 tokens per sequence) as in a 
    (a mixed step's GEMMs hold one decode row per request in plain decoding, gamma + 1 in a verify
    block) into ~4e-3 changes of single elements, enough to flip router near-ties.
 
+6. `--batch-invariant ROWS` runs all of it in the engine's batch-invariant mode
+   (`ModelConfig.batch_invariant_rows`, docs/batch_invariance.md; session 17): on the CPU the step rows
+   are then bit for bit equal in every step shape (results/batch_invariance_cpu_invariant.json).
+
     python3 bench/batch_invariance.py --out bench/results/batch_invariance_h200.json
+    python3 bench/batch_invariance.py --seeds 1 --layers --batch-invariant 128 --engine
     python3 bench/batch_invariance.py --engine --gemm-noise 1e-5 --no-gemm --seeds 1
     python3 bench/batch_invariance.py --engine --impl xla --gemm-noise 1e-6 --bf16-chunk --no-gemm --seeds 1
 
@@ -166,12 +171,14 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int, tap: LayerTap | Non
         return np.asarray(out[0])[out_rows[mode]].reshape(-1, cfg.vocab_size)
 
     dec = pack_step([work], [], D=D, P=0, NP=0, pages_per_seq=npp)
+    wide = pack_step([work], [], D=4 * D, P=0, NP=0, pages_per_seq=npp)  # a larger decode batch bucket
     mix = pack_step([work], [SeqWork(other, 0, 2, pages_b)], D=D, P=128, NP=1, pages_per_seq=npp)
     block = SeqWork([t0] + rng.integers(0, cfg.vocab_size, gamma).tolist(), prompt_len, 1, pages_a)
     vb = pack_step([block], [], D=D, P=0, NP=0, pages_per_seq=npp, block=B)
-    out_rows = {"decode": dec.rows[0], "mixed": mix.rows[0], "verify": vb.rows[0]}
+    out_rows = {"decode": dec.rows[0], "mixed": mix.rows[0], "verify": vb.rows[0], "wide": wide.rows[0]}
     row_dec = a_rows("decode", lambda: fwd(params, fresh(), dec.batch, cfg=cfg, impl=impl))[0]
     row_mix = a_rows("mixed", lambda: fwd(params, fresh(), mix.batch, cfg=cfg, impl=impl))[0]
+    row_wide = a_rows("wide", lambda: fwd(params, fresh(), wide.batch, cfg=cfg, impl=impl))[0]
     rows_ver = a_rows("verify", lambda: ver(params, fresh(), vb.batch, cfg=cfg, block=B, impl=impl))
     row_ver = rows_ver[0]
     # the block's tokens decoded one step at a time (what plain decoding runs): row j against verify's row j
@@ -185,11 +192,13 @@ def step_rows(model, prompt_len: int, gamma: int, seed: int, tap: LayerTap | Non
     jax.effects_barrier()
 
     diff = lambda a: float(np.abs(a.astype(np.float64) - row_dec.astype(np.float64)).max())
-    res = {"rows": {"decode": D, "mixed": D + 128, "verify": D * B},
+    res = {"rows": {"decode": D, "mixed": D + 128, "verify": D * B, "wide": 4 * D},
            "mixed_vs_decode_maxabs": diff(row_mix), "verify_vs_decode_maxabs": diff(row_ver),
+           "wide_vs_decode_maxabs": diff(row_wide),
            "mixed_bitwise_equal": bool(np.array_equal(row_mix, row_dec)),
            "verify_bitwise_equal": bool(np.array_equal(row_ver, row_dec)),
-           "same_argmax": bool(row_ver.argmax() == row_dec.argmax() == row_mix.argmax()),
+           "wide_bitwise_equal": bool(np.array_equal(row_wide, row_dec)),
+           "same_argmax": bool(row_ver.argmax() == row_dec.argmax() == row_mix.argmax() == row_wide.argmax()),
            "verify_vs_decode_chain_maxabs": [float(np.abs(v.astype(np.float64) - c).max())
                                              for v, c in zip(rows_ver, chain)],
            "verify_vs_decode_chain_bitwise_equal": bool(all(np.array_equal(v, c) for v, c in zip(rows_ver, chain)))}
@@ -300,33 +309,6 @@ def gemm_noise(eps: float, salt: int = 0):
     return _proj_replaced(make)
 
 
-def blocked(product, rows: int):
-    """product(x, w) as a loop over fixed blocks of `rows` rows of x (the last one padded): every product
-    XLA compiles then has the same shape whatever the step's token count, so a row's bits cannot depend on
-    the GEMM algorithm XLA picks for that count (a batch-invariant weight product, at the cost of a weight
-    read per block). Each block's input and output pass an optimization barrier, so no shape-dependent
-    producer or consumer fuses into the product."""
-
-    def f(x, w):
-        lead, D = x.shape[:-1], x.shape[-1]
-        r = x.reshape(-1, D)
-        T = r.shape[0]
-        nb = max(1, -(-T // rows))
-        r = jnp.pad(r, ((0, nb * rows - T), (0, 0))).reshape(nb, rows, D)
-        barrier = jax.lax.optimization_barrier
-        out = jax.lax.map(lambda b: barrier(product(barrier(b), w)), r)
-        return out.reshape(nb * rows, -1)[:T].reshape(*lead, -1)
-
-    return f
-
-
-def row_blocks(rows: int):
-    """Every weight product of the model as `blocked` products of `rows` rows: does a batch-invariant weight
-    product make the step batch-invariant (the MoE grouped GEMM and the attention products stay as they
-    are)? Read at trace time: use a fresh model name."""
-    return _proj_replaced(lambda exact: blocked(exact, rows))
-
-
 def bf16_chunk():
     """Emulates the Mosaic GPU chunk kernels' operand rounding on the XLA path (any backend): the chunked
     prefill's q, k, v enter in bf16 and its intra-chunk products (w, u0, Aqk, qg, kd: the inter kernel's
@@ -348,20 +330,20 @@ def bf16_chunk():
     return _swapped((kref,), "_chunk_intra", make)
 
 
-def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0, rows: int = 0) -> list[dict]:
-    """Row 0 of x[:M] @ W for every distinct 2-D weight shape, against M = 4, at the matmul precision
-    the model's step uses (`forward.matmul_precision`: "highest" for an f32 model since session 12);
-    rows > 0: as `blocked` products of that many rows."""
-    from k3jax.model.forward import matmul_precision
+def gemm_rows(params, cfg, ms=(1, 4, 20, 132, 148), seed=0) -> list[dict]:
+    """Row 0 of x[:M] @ W (`common.proj`) for every distinct 2-D weight shape, against M = 4, as the model's
+    step runs it (`forward.step_numerics`: "highest" precision for an f32 model since session 12; with
+    `cfg.batch_invariant_rows`, in fixed blocks of that many rows)."""
+    from k3jax.model.common import proj
+    from k3jax.model.forward import step_numerics
 
     shapes = sorted({(x.shape, str(x.dtype)) for x in jax.tree.leaves(params) if x.ndim == 2 and min(x.shape) >= 16})
     out = []
     key = jax.random.key(seed)
-    product = blocked(jnp.matmul, rows) if rows else jnp.matmul
 
     def mm(x, w):
-        with matmul_precision(cfg):
-            return product(x, w)
+        with step_numerics(cfg):
+            return proj(x, w)
 
     mm = jax.jit(mm)
     for (shape, dt) in tqdm(shapes, desc="gemm shapes", leave=False):
@@ -402,24 +384,25 @@ def main(argv=None):
     ap.add_argument("--bf16-chunk", action="store_true",
                     help="emulate the Pallas chunk kernels' bf16 operands on the XLA path (`bf16_chunk`; with "
                          "--impl xla): with --gemm-noise, the Pallas path's numerics on any backend")
-    ap.add_argument("--row-blocks", type=int, default=0, metavar="ROWS",
-                    help="every weight product as a loop over fixed blocks of ROWS rows (`row_blocks`: a "
-                         "batch-invariant weight product; the GEMM table too); 0: off (default)")
+    ap.add_argument("--batch-invariant", type=int, default=0, metavar="ROWS",
+                    help="run the model in the batch-invariant mode with row blocks of ROWS "
+                         "(`ModelConfig.batch_invariant_rows`, what `LLM(batch_invariant=True)` sets to 128): the "
+                         "step rows, --layers, --engine and the GEMM table; 0: off (default)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
 
     model = build_model(args.model, args.kda_head_dim or None, args.impl)
     if args.every_expert:
         model = every_expert(model)
-    if args.gemm_noise and args.row_blocks:
-        raise SystemExit("--gemm-noise and --row-blocks both replace the weight products: pick one")
     tag = (f"-gemm-noise-{args.gemm_noise:g}-{args.gemm_noise_salt}" if args.gemm_noise else "") + \
-        ("-bf16-chunk" if args.bf16_chunk else "") + (f"-row-blocks-{args.row_blocks}" if args.row_blocks else "")
+        ("-bf16-chunk" if args.bf16_chunk else "")
     if tag:  # a config name of its own: these are read at trace time
         model = dataclasses.replace(model, config=model.config.replace(name=model.config.name + tag))
-    # the emulations and the blocked products, entered together with the taps below
+    if args.batch_invariant:
+        model = dataclasses.replace(model, config=model.config.replace(batch_invariant_rows=args.batch_invariant))
+    # the emulations, entered together with the taps below
     patches = ([gemm_noise(args.gemm_noise, args.gemm_noise_salt)] if args.gemm_noise else []) + \
-        ([row_blocks(args.row_blocks)] if args.row_blocks else []) + ([bf16_chunk()] if args.bf16_chunk else [])
+        ([bf16_chunk()] if args.bf16_chunk else [])
     res = {"bench": "batch_invariance", **run_meta(), "model": model.config.name, "impl": args.impl,
            "matmul_precision": "highest" if jnp.dtype(model.config.dtype) == jnp.float32 else "default",
            "prompt_len": args.prompt_len, "gamma": args.gamma, "step": [], "gemm": []}
@@ -427,7 +410,7 @@ def main(argv=None):
     res["every_expert"] = args.every_expert
     res["gemm_noise"] = {"eps": args.gemm_noise, "salt": args.gemm_noise_salt} if args.gemm_noise else None
     res["bf16_chunk"] = args.bf16_chunk
-    res["row_blocks"] = args.row_blocks
+    res["batch_invariant_rows"] = args.batch_invariant
     tap = LayerTap() if args.layers and not args.no_step else contextlib.nullcontext()
     with tap, contextlib.ExitStack() as noise:
         for p in patches:
@@ -435,7 +418,8 @@ def main(argv=None):
         for s in tqdm(range(0 if args.no_step else args.seeds), desc="step shapes", leave=False):
             r = step_rows(model, args.prompt_len, args.gamma, s, tap if args.layers else None)
             res["step"].append(r)
-            print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, verify vs decode "
+            print(f"seed {s}: mixed vs decode {r['mixed_vs_decode_maxabs']:.3g}, decode x4 rows vs decode "
+                  f"{r['wide_vs_decode_maxabs']:.3g}, verify vs decode "
                   f"{r['verify_vs_decode_maxabs']:.3g}, same argmax {r['same_argmax']}; verify block row j vs "
                   f"the j-th decode step: {['%.3g' % x for x in r['verify_vs_decode_chain_maxabs']]}", flush=True)
             for mode, rows in r.get("layers", {}).items():
@@ -447,7 +431,7 @@ def main(argv=None):
             res["engine"] = engine_runs(model)
     if args.no_gemm:
         return _finish(res, args)
-    res["gemm"] = gemm_rows(model.params, model.config, rows=args.row_blocks)
+    res["gemm"] = gemm_rows(model.params, model.config)
     bad = [g for g in res["gemm"] if not g["bitwise_equal"]]
     print(f"gemm: {len(res['gemm']) - len(bad)} of {len(res['gemm'])} weight shapes give row 0 bit for bit at every M")
     for g in bad:

@@ -49,11 +49,14 @@ calls() {
    mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
    with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
    if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
-12 batch-invariant weight products (session 16), Pallas path: the engine check as is (which requests part,
-   with their margins), then with every weight product as fixed 64-row blocks (`--row-blocks 64`: the
-   step's rows, the engine check, the blocked GEMM table) (~6 min) -> bi_pallas.json,
-   bi_rows64.json. If the first parts and the second does not, the session-16 diagnosis holds on the
-   H200 (GEMM row noise amplified by the chunk kernels' bf16 operands) and blocked products are a remedy
+12 the batch-invariant mode (session 17: `LLM(batch_invariant=True)`, row blocks of 128):
+   tests/gpu/test_engine_gpu.py -k "batch_invariant or speculative" on the Pallas and XLA paths (in the mode:
+   the step rows bit for bit in decode, 4x decode, mixed and verify steps, and the engine's speculative
+   tokens against plain; without it: the speculative test as before), then k3-mini decode at batch 1 and
+   64 with and without the mode, with the profile's breakdown (its cost) (~9 min) -> tests.txt,
+   k3_mini_invariant.json. Prediction: the mode's tests pass on both paths; the speculative test without
+   it may part on the Pallas path (3 of 4 emulated noise patterns do); the mode costs < 10% at batch 1
+   and 10-40% at batch 64 (the MoE's per-expert blocks)
 EOF
 }
 
@@ -157,9 +160,11 @@ case "$1" in
         --out "$OUT/kda_aligned.json"
     ;;
 12)
-    BI="python3 bench/batch_invariance.py --seeds 1 --impl pallas"
-    step bi_pallas timeout 160 $BI --engine --no-gemm --out "$OUT/bi_pallas.json"
-    step bi_rows64 timeout 240 $BI --engine --row-blocks 64 --out "$OUT/bi_rows64.json"
+    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
+        -k "batch_invariant or speculative"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step k3_mini_invariant timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
+        --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

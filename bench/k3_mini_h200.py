@@ -196,6 +196,9 @@ def main(argv=None):
     ap.add_argument("--layouts", nargs="*", default=["stacked"], choices=["stacked", "split"],
                     help="parameter layouts: stacked (one array per field with a leading layer dim: the forward "
                          "slices it per layer) and/or split (`split_layers`: one array per layer)")
+    ap.add_argument("--batch-invariant", type=int, nargs="*", default=[0], metavar="ROWS",
+                    help="row blocks of the batch-invariant mode to run every row in (0: off; 128: what "
+                         "LLM(batch_invariant=True) runs); rows marked batch_invariant_rows (default: 0)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -214,12 +217,16 @@ def main(argv=None):
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    runs = [(s, impl, lay, fused) for s in shapes for impl in args.impl for lay in args.layouts
-            for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])]
-    for (kind, B), impl, layout, fused in runs:
+    runs = [(s, impl, lay, fused, bi) for s in shapes for impl in args.impl for lay in args.layouts
+            for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
+            for bi in args.batch_invariant]
+    base_cfg = cfg
+    for (kind, B), impl, layout, fused, bi in runs:
         params = layouts[layout]
+        cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
             "prefill_tokens": B, "impl": impl, "layout": layout, "fused_inputs": fused}
+        row["batch_invariant_rows"] = bi
         kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
         step.clear_cache()
         make = ((lambda: decode_batch(cfg, B, args.context, args.page_size)) if kind == "decode"
@@ -252,13 +259,14 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)")
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
-        print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('step_ms', float('nan')):8.3f} "
+        print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
+              f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import logging
 import os
 import sys
 import time
 
-from k3jax.config import preset_names
+from k3jax.config import BATCH_INVARIANT_ROWS, preset_names
 from k3jax.sampling import SamplingParams
 
 log = logging.getLogger("k3jax")
@@ -64,6 +65,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(runs through the engine; default: off)")
     g.add_argument("--num-draft-tokens", type=int, default=4, metavar="N",
                    help="drafts per verify block with --speculative (default: %(default)s)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant steps: every token's logits come out bit for bit the same whatever the "
+                        "step it runs in (a prefill, a decode, a --speculative verify block), so --speculative "
+                        "never changes greedy output on any backend; row-wise work runs in fixed blocks of "
+                        "128 rows (slower; one device only; default: off)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to the prompt (default: off)")
     g.add_argument("--show-special", action="store_true",
                    help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
@@ -85,6 +91,8 @@ def _generate(args) -> int:
         raise UserError("--prompt is empty")
     if not 1 <= args.num_draft_tokens <= 16:
         raise UserError(f"--num-draft-tokens must be in [1, 16], got {args.num_draft_tokens}")
+    if args.batch_invariant and args.mesh:
+        raise UserError("--batch-invariant runs on one device: drop --mesh")
     for flag, v in (("--page-size", args.page_size), ("--prefill-chunk", args.prefill_chunk)):
         if v < 1:
             raise UserError(f"{flag} must be a positive integer, got {v}")
@@ -101,6 +109,8 @@ def _generate(args) -> int:
     except (ValueError, FileNotFoundError, NotADirectoryError) as e:
         raise UserError(str(e)) from None
     load_s = time.perf_counter() - t0
+    if args.batch_invariant:
+        model = dataclasses.replace(model, config=model.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
     kind = "checkpoint" if os.path.isdir(args.model) else "preset with random weights"
     log.info("loaded %s (%s) in %.2f s; prompt is %d tokens", model.config.name, kind, load_s, len(prompt_ids))
 

@@ -18,6 +18,12 @@ LayerKind = str  # "kda" | "mla"
 FfnKind = str  # "dense" | "moe"
 
 
+# The row block of the engines' batch-invariant mode (`EngineConfig.batch_invariant`): on the H200 a bf16
+# product of 128 rows costs about its weight read (compute-bound from ~165), so a decode step pays little
+# for the padding and a prefill's products stay near their compute rate.
+BATCH_INVARIANT_ROWS = 128
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "custom"
@@ -27,6 +33,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"  # parameter and activation dtype; norms, router, KDA state in f32
+    # the batch-invariant mode's row block (0: off): a numerics setting of the steps, not of the model
+    # (never written to a config.json); see `k3jax.model.common.rowwise` and docs/batch_invariance.md
+    batch_invariant_rows: int = 0
     max_position_embeddings: int = 1048576
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
@@ -89,6 +98,8 @@ class ModelConfig:
             raise ValueError("num_experts_per_token exceeds num_experts")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if not isinstance(self.batch_invariant_rows, int) or self.batch_invariant_rows < 0:
+            raise ValueError(f"batch_invariant_rows must be an int >= 0, got {self.batch_invariant_rows!r}")
 
     # ---- layer schedule -------------------------------------------------------------------
     @cached_property

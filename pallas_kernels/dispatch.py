@@ -7,9 +7,12 @@ H100/H200), "pallas_interpret" (the portable Pallas kernels in interpret mode, f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
+import jax.numpy as jnp
 
 IMPLS = ("xla", "pallas", "pallas_interpret")
 
@@ -55,3 +58,83 @@ def resolve_impl(impl: str, op: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS + ('auto',)}, got {impl!r}")
     return impl
+
+
+# The batch-invariant mode's row block (0: off), set at trace time by `batch_invariant` (the model's
+# forward enters it from `ModelConfig.batch_invariant_rows`): the model's row-wise work runs over fixed
+# blocks of this many rows (`rowwise`) and the chunk kernels lay every varlen segment
+# out on its own (`mgpu.ALIGN_SEGMENTS`'s layout), so a token's result cannot depend on the other tokens
+# of its step.
+_INVARIANT_ROWS = contextvars.ContextVar("k3jax_batch_invariant_rows", default=0)
+
+
+@contextlib.contextmanager
+def batch_invariant(rows: int):
+    """Inside the block (read while tracing), the batch-invariant mode with row blocks of `rows` (0: off)."""
+    if rows < 0:
+        raise ValueError(f"batch-invariant row block must be >= 0, got {rows}")
+    token = _INVARIANT_ROWS.set(int(rows))
+    try:
+        yield
+    finally:
+        _INVARIANT_ROWS.reset(token)
+
+
+def batch_invariant_rows() -> int:
+    """The row block of the batch-invariant mode being traced (0: off)."""
+    return _INVARIANT_ROWS.get()
+
+
+def rowwise(fn, *xs):
+    """fn(*xs), for arrays xs that share their leading (token) axis and an fn that treats each index of
+    that axis on its own (its outputs, a pytree, lead with the same axis).
+
+    In the batch-invariant mode (`batch_invariant`, entered by the model's forward from
+    `ModelConfig.batch_invariant_rows`) fn runs on fixed blocks of that many rows (the last block padded
+    with zero rows), one block per iteration of a while loop, so every product and reduction in fn is
+    compiled for one shape in a computation of its own (the loop body), whatever the step's token count
+    and whatever surrounds it: a row's bits cannot depend on the GEMM algorithm, reduction split or
+    fusion XLA chooses for that count and that program. Two things keep the body to itself, both found on
+    the CPU, where a decode step's rows moved by ~1e-9 between batch buckets without them:
+    - the inputs ride in the loop carry and each block is cleared once read, so XLA cannot sink their
+      producers (the padding, the ops before it) into the body and fuse them with fn's reductions
+      (optimization barriers do not stop that: the CPU pipeline removes them before fusion);
+    - the trip count is computed on the device (`_opaque_count`), so XLA cannot inline a one-block loop
+      into the program around it.
+    The cost on a GPU: the loop reads its predicate back each iteration (one sync per block).
+    Off, fn(*xs) as is. Inside a block the mode is off: a `rowwise` (a `proj`, an `rms_norm`) within fn
+    runs on the block as it is."""
+    R = batch_invariant_rows()
+    if not R:
+        return fn(*xs)
+    T = xs[0].shape[0]
+    nb = max(1, -(-T // R))
+    padded = tuple(jnp.pad(x, [(0, nb * R - T)] + [(0, 0)] * (x.ndim - 1)) for x in xs)
+
+    def block(*b):
+        with batch_invariant(0):
+            return fn(*b)
+
+    shapes = jax.eval_shape(block, *(jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype) for x in xs))
+    init = jax.tree.map(lambda s: jnp.zeros((nb * R, *s.shape[1:]), s.dtype), shapes)
+
+    def body(i, carry):
+        ins, out = carry
+        y = block(*(jax.lax.dynamic_slice_in_dim(x, i * R, R) for x in ins))
+        # the inputs ride in the carry and each block is cleared once read: a loop-carried value, so XLA
+        # cannot sink their producers (the padding, the ops before) into the body and fuse them there
+        ins = tuple(jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros((R, *x.shape[1:]), x.dtype), i * R, 0)
+                    for x in ins)
+        return ins, jax.tree.map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, i * R, 0), out, y)
+
+    _, out = jax.lax.fori_loop(0, _opaque_count(nb, padded), body, (padded, init))
+    return jax.tree.map(lambda o: o[:T], out)
+
+
+def _opaque_count(n: int, xs) -> jax.Array:
+    """n as an int32 that XLA cannot fold to a constant: min(n, n + isnan(a float input's first element))
+    (n unless that element is NaN, and then still n)."""
+    x = next((a for a in xs if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
+    if x is None:
+        return jnp.int32(n)
+    return jnp.minimum(n, n + jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32))

@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tests and CPUs (default: off)")
     e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every step bucket before reporting SERVING (default: on)")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant steps: a request's tokens are bit for bit independent of the other requests "
+                        "in its steps and of --speculative (row-wise work in fixed blocks of 128 rows; slower; one "
+                        "device only, not with --mesh) (default: off)")
     e.add_argument("--impl", choices=["auto", "xla", "pallas"], default="auto",
                    help="kernel implementation; auto picks Pallas on a Hopper GPU, XLA elsewhere (default: %(default)s)")
     return p
@@ -154,7 +158,7 @@ def engine_kwargs(args) -> dict:
                 state_slots=args.state_slots, kv_pages=args.kv_pages, max_running=args.max_running,
                 max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, max_prefill_seqs=args.max_prefill_seqs,
                 checkpoint_policy=args.checkpoint_policy, single_bucket=args.single_bucket, warmup=args.warmup,
-                impl=args.impl)
+                impl=args.impl, batch_invariant=args.batch_invariant)
 
 
 def check_args(args) -> None:
@@ -184,7 +188,8 @@ def check_args(args) -> None:
         EngineConfig(**engine_kwargs(args)).validate()
     except NotImplementedError as e:
         msg = str(e)
-        which = "--enable-unified-memory" if "unified" in msg else "--speculative" if "specul" in msg else "an engine option"
+        which = "--enable-unified-memory" if "unified" in msg else "--speculative" if "specul" in msg else \
+            "--batch-invariant" if "batch_invariant" in msg else "an engine option"
         raise UserError(f"{which}: not supported here ({msg})") from None
     except ValueError as e:
         raise UserError(str(e)) from None

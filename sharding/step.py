@@ -187,4 +187,7 @@ def make_sharded_step(cfg: ModelConfig, mesh, rules: Rules | None = None, impl: 
     the model's `forward`) with explicit in/out shardings; split: parameters in the per-layer layout
     (`split_layers`) rather than stacked. One object (and one compile cache) per (cfg, mesh, rules,
     impl, fn, split)."""
+    if cfg.batch_invariant_rows:
+        raise NotImplementedError("the batch-invariant mode (batch_invariant_rows) on a mesh is not supported yet: "
+                                  "its collectives and expert-parallel MoE are not batch-invariant")
     return _cached_step(cfg, make_mesh(mesh), rules or Rules(), impl, fn, split)

@@ -520,6 +520,9 @@ def test_serve_cli_user_errors(capsys, monkeypatch):
     assert main(["--model", "k3-tiny", "--prefill-chunk", "100"]) == 2  # EngineConfig.validate's ValueError
     err = capsys.readouterr().err
     assert err.startswith("k3jax-serve: error:") and err.count("\n") == 1 and "prefill_chunk" in err, err
+    assert main(["--model", "k3-tiny", "--batch-invariant", "--mesh", "tp=2"]) == 2  # one device only
+    err = capsys.readouterr().err
+    assert err.startswith("k3jax-serve: error:") and err.count("\n") == 1 and "--batch-invariant" in err, err
 
 
 def test_queue_limit_refuses_with_resource_exhausted():

@@ -259,20 +259,3 @@ def test_bf16_chunk_emulates_the_chunk_kernels_operand_rounding():
     rel = np.linalg.norm(emu - exact) / np.linalg.norm(exact)
     assert 1e-5 < rel < 2e-2, rel
     np.testing.assert_array_equal(run(q, k, v), exact)
-
-
-def test_blocked_weight_products_give_a_row_the_same_bits_at_every_row_count():
-    """bench/batch_invariance.py's `blocked` product (`--row-blocks`, the batch-invariant weight product tried
-    on the H200): x @ w as a loop over fixed 64-row blocks equals x @ w (any leading shape, a ragged last
-    block), and row 0 comes out bit for bit the same at every row count for every weight shape of k3-tiny
-    (the plain product's rows differ at half of them on this CPU)."""
-    from bench.batch_invariance import blocked, gemm_rows
-
-    model = load_model("k3-tiny", seed=0)
-    rows = gemm_rows(model.params, model.config, rows=64)
-    assert len(rows) >= 5 and all(r["bitwise_equal"] for r in rows), rows
-    x = jax.random.normal(jax.random.PRNGKey(0), (3, 50, 96))
-    w = jax.random.normal(jax.random.PRNGKey(1), (96, 40))
-    got = jax.jit(blocked(jnp.matmul, 64))(x, w)
-    assert got.shape == (3, 50, 40)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 from tqdm import tqdm
 
+from k3jax.config import BATCH_INVARIANT_ROWS
 from k3jax.engine.request import Request, RequestOutput, Status
 from k3jax.engine.runner import Buckets, InFlight, ModelRunner
 from k3jax.cache.unified import UnifiedMemory
@@ -51,6 +52,9 @@ class EngineConfig:
     warmup: bool = False  # compile every bucket before serving (servers: True)
     single_bucket: bool = False  # only the largest buckets (decode-only and mixed): 2 compiles, more padding
     impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
+    # a token's logits independent of the other tokens of its step (speculation, batch composition): the
+    # steps run their row-wise work in fixed blocks (`ModelConfig.batch_invariant_rows`), one device only
+    batch_invariant: bool = False
 
     def buckets(self) -> Buckets:
         """Decode batch buckets: powers of two up to max_running; prefill token buckets: 64 x powers
@@ -80,6 +84,9 @@ class EngineConfig:
             raise ValueError("speculative must be a method name or a Drafter (with propose/forget)")
         if self.speculative is not None and not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if self.batch_invariant and self.mesh is not None:
+            raise NotImplementedError("batch_invariant with a mesh is not supported yet (its collectives and "
+                                      "expert-parallel MoE are not batch-invariant): run it on one device")
         if isinstance(self.mesh, str):
             from sharding.mesh import parse_mesh_spec
 
@@ -100,6 +107,12 @@ class EngineCore:
 
     def __init__(self, model, cfg: EngineConfig):
         cfg.validate()
+        if cfg.batch_invariant:
+            if getattr(model, "mesh", None) is not None:
+                raise NotImplementedError("batch_invariant with a model loaded on a mesh is not supported yet: "
+                                          "load it on one device")
+            if not model.config.batch_invariant_rows:
+                model = dataclasses.replace(model, config=model.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
         self.model, self.cfg = model, cfg
         mcfg = model.config
         self.buckets = cfg.buckets()

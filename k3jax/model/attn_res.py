@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from k3jax.model.common import rms_norm
+from k3jax.model.common import rms_norm, rowwise
 
 
 @jax.tree_util.register_dataclass
@@ -34,8 +34,12 @@ def mix(bank: list[jax.Array], p: jax.Array, site: ResSite, eps: float) -> jax.A
     """Depth-softmax mix of the bank rows and the partial sum p ([T, D] each); p when bank is empty."""
     if not bank:
         return p
-    V = jnp.stack([b.astype(jnp.float32) for b in bank] + [p.astype(jnp.float32)])  # [S, T, D]
     q = site.norm.astype(jnp.float32) * site.proj.astype(jnp.float32)
-    logits = jnp.einsum("std,d->st", rms_norm(V, None, eps), q)
-    a = jax.nn.softmax(logits, axis=0)
-    return jnp.einsum("st,std->td", a, V).astype(p.dtype)
+
+    def one(*rows):  # the bank's and p's rows of the same tokens
+        V = jnp.stack([r.astype(jnp.float32) for r in rows])  # [S, T, D]
+        logits = jnp.einsum("std,d->st", rms_norm(V, None, eps), q)
+        a = jax.nn.softmax(logits, axis=0)
+        return jnp.einsum("st,std->td", a, V).astype(p.dtype)
+
+    return rowwise(one, *bank, p)

@@ -1,4 +1,4 @@
-"""Small shared pieces: RMSNorm, activations, projections."""
+"""Small shared pieces: RMSNorm, activations, projections (all `rowwise`: batch-invariant when the mode is on)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from pallas_kernels.dispatch import rowwise
 
 
 def dtype_of(cfg: ModelConfig):
@@ -13,12 +14,16 @@ def dtype_of(cfg: ModelConfig):
 
 
 def rms_norm(x: jax.Array, w: jax.Array | None, eps: float) -> jax.Array:
-    """RMSNorm in f32; returns x's dtype. `w=None` normalises without a weight."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if w is not None:
-        y = y * w.astype(jnp.float32)
-    return y.astype(x.dtype)
+    """RMSNorm in f32 over the last axis; returns x's dtype. `w=None` normalises without a weight."""
+
+    def norm(x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        if w is not None:
+            y = y * w.astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    return rowwise(norm, x)
 
 
 def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -33,8 +38,9 @@ def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def proj(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D] @ w [D, X] in the weight's dtype with f32 accumulation."""
-    return jnp.einsum("...d,dx->...x", x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(w.dtype)
+    """x [..., D] @ w [D, X] in the weight's dtype with f32 accumulation (`rowwise` over x's leading axis)."""
+    return rowwise(lambda x: jnp.einsum("...d,dx->...x", x.astype(w.dtype), w,
+                                        preferred_element_type=jnp.float32).astype(w.dtype), x)
 
 
 def layer_slice(tree, i: int):

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.model.attn_res import AttnResParams, mix
-from k3jax.model.common import layer_slice, rms_norm
+from k3jax.model.common import layer_slice, rms_norm, rowwise
 from k3jax.model.context import StepBatch, make_context
 from k3jax.model.kda import KDAParams, kda_layer
 from k3jax.model.mla import MLAParams, mla_layer
 from k3jax.model.moe import DenseParams, MoEParams, dense_ffn, moe_ffn
 from k3jax.state import DeviceState
+from pallas_kernels.dispatch import batch_invariant
 
 
 @jax.tree_util.register_dataclass
@@ -165,8 +166,8 @@ def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
 
 def lm_head(params: Params, h):
     with jax.named_scope("lm_head"):
-        return jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
-                          preferred_element_type=jnp.float32)
+        return rowwise(lambda h: jnp.einsum("rd,dx->rx", h.astype(params.lm_head.dtype), params.lm_head,
+                                            preferred_element_type=jnp.float32), h)
 
 
 def matmul_precision(cfg: ModelConfig):
@@ -181,9 +182,18 @@ def matmul_precision(cfg: ModelConfig):
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def step_numerics(cfg: ModelConfig):
+    """What a step is traced in: `matmul_precision(cfg)` and, with `cfg.batch_invariant_rows`, the
+    batch-invariant mode (`pallas_kernels.dispatch.batch_invariant`: a token's logits do not depend on
+    the other tokens of its step, DESIGN.md section 4)."""
+    with matmul_precision(cfg), batch_invariant(cfg.batch_invariant_rows):
+        yield
+
+
 def forward(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "auto", shard=None):
     """-> (f32 logits [R, X] of the `logit_idx` rows, new state)."""
-    with matmul_precision(cfg):
+    with step_numerics(cfg):
         h, state = forward_hidden(params, state, batch, cfg, impl, shard)
         return lm_head(params, h), state
 
@@ -194,7 +204,7 @@ def forward_verify(params: Params, state: DeviceState, batch: StepBatch, cfg: Mo
     recurrent state (never writing it) and write MLA KV for every block token; prefill sequences
     run as usual. -> (logits [R, X], state, [VerifyCapture per KDA layer])."""
     captures: list = []
-    with matmul_precision(cfg):
+    with step_numerics(cfg):
         h, state = forward_hidden(params, state, batch, cfg, impl, shard, block, captures)
         return lm_head(params, h), state, captures
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.model.common import proj, rms_norm
+from k3jax.model.common import proj, rms_norm, rowwise
 from k3jax.model.context import StepContext
 from k3jax.state import RecurrentPool
 from pallas_kernels import kda as kda_kernels
@@ -91,7 +91,7 @@ def short_conv(x: jax.Array, w: jax.Array, init: jax.Array, ctx: StepContext):
     """
     src = jnp.concatenate([x, init.reshape(-1, x.shape[-1]).astype(x.dtype)], axis=0)
     win = src[ctx.conv_idx].astype(jnp.float32)  # [T, W, C]
-    y = jax.nn.silu(jnp.einsum("twc,wc->tc", win, w.astype(jnp.float32)))
+    y = rowwise(lambda win: jax.nn.silu(jnp.einsum("twc,wc->tc", win, w.astype(jnp.float32))), win)
     return y.astype(x.dtype), src[ctx.conv_state_idx]
 
 
@@ -146,7 +146,7 @@ def kda_layer(p: KDAParams, x: jax.Array, ctx: StepContext, pool: RecurrentPool,
         # k in the activation dtype for every kernel: a verify capture stores it so, and the fold
         # replays exactly the values verify used
         with jax.named_scope("qk_norm"):  # own scopes: the profile shows what fusing them into the kernels would save
-            q, k = l2norm(q_raw[:nx]), l2norm(k_raw[:nx]).astype(x.dtype)
+            q, k = rowwise(l2norm, q_raw[:nx]), rowwise(l2norm, k_raw[:nx]).astype(x.dtype)
         with jax.named_scope("gate"):
             g = kda_gate(f[:nx], p, cfg)  # [nx, H, K]
         beta = jax.nn.sigmoid(proj(x, p.b_proj).astype(jnp.float32))  # [T, H]

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.model.common import proj, rms_norm
+from k3jax.model.common import proj, rms_norm, rowwise
 from k3jax.model.context import StepContext
 from k3jax.state import KVPool
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels.dispatch import batch_invariant_rows
 
 
 @jax.tree_util.register_dataclass
@@ -58,8 +59,8 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
         pool = write_kv(pool, jnp.concatenate([c, ckv[:, R:]], axis=-1), ctx, layer)
         kv_b = p.kv_b.reshape(R, H, Nn + Vd)
         w_uk, w_uv = kv_b[..., :Nn], kv_b[..., Nn:]
-        q_lat = jnp.einsum("thn,rhn->thr", q[..., :Nn].astype(jnp.float32), w_uk.astype(jnp.float32))
-        qf = jnp.concatenate([q_lat, q[..., Nn:].astype(jnp.float32)], axis=-1)  # [T, H, R + N_rope]
+        absorb = lambda q: jnp.einsum("thn,rhn->thr", q[..., :Nn].astype(jnp.float32), w_uk.astype(jnp.float32))
+        qf = jnp.concatenate([rowwise(absorb, q), q[..., Nn:].astype(jnp.float32)], axis=-1)  # [T, H, R + N_rope]
 
     scale = (Nn + Nr) ** -0.5
     nd, B = ctx.num_decode, ctx.block
@@ -73,11 +74,17 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
     if shard is not None:  # per head shard (and per dp shard of the pages with DP-attention)
         attend = shard.paged_attention(attend)
     with jax.named_scope("mla_attn"):
-        if nd:
+        per_token = batch_invariant_rows() > 0
+        if per_token:  # every token its own query over its sequence's pages, in fixed blocks
+            rows, pages = pool.attention_pages(ctx.page_table, layer)
+            seq = jnp.clip(ctx.token_seq, 0, rows.shape[0] - 1)
+            one = lambda q, pos, r, n: attend(q[:, None], pos[:, None], r, pages, n)[:, 0]
+            outs.append(rowwise(one, qf, jnp.where(ctx.token_valid, ctx.positions, -1), rows[seq], ctx.seq_end[seq]))
+        elif nd:
             o = attend(qf[:ndt].reshape(nd, B, *qf.shape[1:]), ctx.positions[:ndt].reshape(nd, B),
                        *pool.attention_pages(ctx.page_table[:nd], layer), ctx.seq_end[:nd])
             outs.append(o.reshape(ndt, *o.shape[2:]))
-        if T > ndt:
+        if T > ndt and not per_token:
             tab = ctx.prefill_chunks
             Tp = T - ndt
             idx = jnp.clip(tab.token_idx, 0, Tp - 1) + ndt  # [NC, C]
@@ -88,7 +95,7 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
         o_lat = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
     with jax.named_scope("mla_out"):
-        o = jnp.einsum("thr,rhv->thv", o_lat, w_uv.astype(jnp.float32)).reshape(T, H * Vd)
+        o = rowwise(lambda o: jnp.einsum("thr,rhv->thv", o, w_uv.astype(jnp.float32)), o_lat).reshape(T, H * Vd)
         if p.g_proj is not None:
             o = o * jax.nn.sigmoid(proj(x, p.g_proj).astype(jnp.float32))
         y = proj(o.astype(x.dtype), p.o_proj)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.model.common import glu, proj, rms_norm
+from k3jax.model.common import glu, proj, rms_norm, rowwise
+from pallas_kernels.dispatch import batch_invariant_rows
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +74,10 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     T, k = idx.shape
     E = p.w1.shape[0]
     flat = idx.reshape(-1)
+    R = batch_invariant_rows()
+    if R and first_expert is None:
+        order = jnp.argsort(flat, stable=True)
+        return _combine(_expert_blocks(p, z, flat, order, k, cfg, R), w, order, None, T, k)
     local = None
     if first_expert is not None:
         flat = flat - first_expert
@@ -85,6 +90,11 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
     h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
     y = jax.lax.ragged_dot(h, p.w2, sizes, preferred_element_type=jnp.float32)
+    return _combine(y, w, order, local, T, k)
+
+
+def _combine(y, w, order, local, T: int, k: int):
+    """The expert outputs y [T*k, Din] of the expert-sorted copies (`order`) weighted and summed per token."""
     y = y * w.reshape(-1)[order][:, None]
     if local is not None:
         y = jnp.where(local[order][:, None], y, 0.0)
@@ -99,9 +109,45 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     return out
 
 
+def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, k: int, cfg: ModelConfig,
+                   R: int) -> jax.Array:
+    """The batch-invariant grouped matmul: the expert-sorted copies of z laid out so that each expert's
+    group starts on a block of R rows (its last block padded with zero rows), then every block through
+    its expert's GLU as one [R, Din] product per weight, behind optimization barriers: the same shapes
+    whatever the step, so a copy's output row cannot depend on how many tokens the step routes where
+    (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). Blocks past the last group are
+    skipped. -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
+    n, E = flat.shape[0], p.w1.shape[0]
+    e_sorted = flat[order]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    padded = -(-sizes // R) * R
+    pend = jnp.cumsum(padded)
+    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
+    dest = (pend - padded)[e_sorted] + rank  # each sorted copy's row in the block layout
+    NB = -(-n // R) + min(E, n)  # a bound on the blocks: sum_e ceil(n_e / R) < n / R + (experts used)
+    xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
+    block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
+    used = pend[-1] // R
+    barrier = jax.lax.optimization_barrier
+    mm = lambda a, b: jnp.einsum("rd,dx->rx", a, b, preferred_element_type=jnp.float32)
+
+    def block(args):
+        b, e, xb = args
+
+        def run(xb, w1, w3, w2):
+            h = glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg)
+            return barrier(mm(h, w2))
+
+        ops = barrier((xb, p.w1[e], p.w3[e], p.w2[e]))
+        return jax.lax.cond(b < used, run, lambda *a: jnp.zeros((R, p.w2.shape[-1]), jnp.float32), *ops)
+
+    y = jax.lax.map(block, (jnp.arange(NB, dtype=jnp.int32), block_e, xs.reshape(NB, R, -1)))
+    return y.reshape(NB * R, -1)[dest]
+
+
 def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig, shard=None) -> jax.Array:
     with jax.named_scope("moe_route"):
-        idx, w = route(p, x, cfg)
+        idx, w = rowwise(lambda x: route(p, x, cfg), x)
     with jax.named_scope("moe_experts"):
         z = proj(x, p.latent_down) if p.latent_down is not None else x
         if shard is not None and p.latent_down is not None:  # computed sharded, then gathered for the experts

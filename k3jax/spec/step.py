@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k3jax.model.forward import forward_verify, matmul_precision
+from k3jax.model.forward import forward_verify, step_numerics
 from k3jax.sampling import sample, spec_accept
 from k3jax.state import restore_checkpoints, snapshot_slots
 from pallas_kernels.dispatch import resolve_impl
@@ -86,7 +86,7 @@ def _spec_step(params, state, batch, ops, snap_at, samp, cfg, impl, block, shard
     The whole step runs at the model's matmul precision, the fold included: on the XLA path the fold
     replays the recurrence with einsums, which outside `matmul_precision` ran an f32 model's state
     products in TF32 on a GPU while plain decoding's ran in f32 (until session 15)."""
-    with matmul_precision(cfg):
+    with step_numerics(cfg):
         return _spec_step_body(params, state, batch, ops, snap_at, samp, cfg, impl, block, shard)
 
 

@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.dispatch import batch_invariant_rows
 from pallas_kernels.kda.prep import chunk_prep
 from pallas_kernels.kda.ref import fused_inputs_ref
 from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
@@ -498,10 +499,11 @@ def _segment_layout(seg, T, aligned: bool) -> SegmentLayout:
 
 
 def _layout_for(cu_seqlens, T, snapshot_at=None) -> SegmentLayout:
-    """The layout a prefill of these sequences runs in: by segment when `ALIGN_SEGMENTS` is on and there
+    """The layout a prefill of these sequences runs in: by segment when `ALIGN_SEGMENTS` (or the
+    batch-invariant mode, `dispatch.batch_invariant`) is on and there
     are two or more real segments (a single sequence already starts at row 0), else the packed rows."""
     N = cu_seqlens.shape[0] - 1
-    aligned = ALIGN_SEGMENTS and (N > 1 or snapshot_at is not None)
+    aligned = (ALIGN_SEGMENTS or batch_invariant_rows() > 0) and (N > 1 or snapshot_at is not None)
     return _segment_layout(_segments(cu_seqlens, T, snapshot_at), T, aligned)
 
 

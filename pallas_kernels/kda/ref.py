@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.dispatch import rowwise
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 from pallas_kernels.varlen import chunk_table
 
@@ -95,12 +96,24 @@ def _state0(initial_state, shape):
 
 
 def _step(S, q, k, v, g, beta):
-    """One recurrence step. S [..., K, V]; q,k,g [..., K]; v [..., V]; beta [...]; q pre-scaled."""
+    """One recurrence step. S [..., K, V]; q,k,g [..., K]; v [..., V]; beta [...]; q pre-scaled.
+
+    The K contractions are products and sums over the K axis, not einsums: the CPU runs an einsum of
+    these shapes as an Eigen contraction whose split (and so its bits) changed with the program around
+    it (a decode step's rows moved by ~1e-8 next to a prefill or inside a scan), where a reduction is
+    the same loop in any program."""
     S = S * jnp.exp(g)[..., :, None]
-    pred = jnp.einsum("...k,...kv->...v", k, S)
-    S = S + jnp.einsum("...k,...v->...kv", k, beta[..., None] * (v - pred))
-    o = jnp.einsum("...k,...kv->...v", q, S)
+    pred = jnp.sum(k[..., :, None] * S, axis=-2)
+    S = S + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
+    o = jnp.sum(q[..., :, None] * S, axis=-2)
     return o, S
+
+
+def step_rows(S, q, k, v, g, beta):
+    """`_step` for a batch of sequences (leading axis): the decode, verify and fold paths' step, through
+    `dispatch.rowwise` so that in the batch-invariant mode a sequence's step is one compiled block
+    whatever the batch (the CPU compiles a bare `_step` differently inside a scan, or next to a prefill)."""
+    return rowwise(_step, S, q, k, v, g, beta)
 
 
 def kda_recurrent_ref(q, k, v, g, beta, *, scale=None, initial_state=None):
@@ -226,5 +239,5 @@ def kda_decode_ref(q, k, v, g, beta, pool, slots, *, layer, reset=None, scale=No
     S = pool[slots, layer]
     if reset is not None:
         S = jnp.where(reset[:, None, None, None], 0.0, S)
-    o, S = _step(S, q, k, v, g, beta)
+    o, S = step_rows(S, q, k, v, g, beta)
     return o, pool.at[slots, layer].set(S)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.kda import checks
-from pallas_kernels.kda.ref import _prep, _step
+from pallas_kernels.kda.ref import _prep, step_rows
 
 
 def replay_floats_per_step(K: int, V: int) -> int:
@@ -72,7 +72,7 @@ def kda_verify(q, k, v, g, beta, S0, *, scale=None, impl="xla"):
     q, k, v, g, beta = _prep(q, k, v, g, beta, scale)
 
     def body(S, xs):
-        o, S = _step(S, *xs)
+        o, S = step_rows(S, *xs)
         return S, o
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
@@ -107,7 +107,7 @@ def kda_fold(S0, cap: Capture, n_keep, snap_at=None, *, impl="xla"):
     def body(carry, inp):
         S, S_snap = carry
         t, (k, v, g, beta) = inp
-        _, S_next = _step(S, jnp.zeros_like(k), k, v, g, beta)
+        _, S_next = step_rows(S, jnp.zeros_like(k), k, v, g, beta)
         S = jnp.where((t < n_keep).reshape(keep_shape), S_next, S)
         if snap_at is not None:
             S_snap = jnp.where((t + 1 == snap_at).reshape(keep_shape), S, S_snap)

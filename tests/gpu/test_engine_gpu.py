@@ -149,8 +149,9 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     operands turn the prefill rows' ~1e-6 row-count GEMM noise (a mixed step holds one decode row per
     request in plain decoding, gamma + 1 in a verify block) into ~4e-3 changes of single elements, which
     flip MoE router near-ties: 3 of 4 noise patterns part this workload. So on the Pallas path this test
-    asserts an invariant that holds only with batch-invariant matmuls (not built; bench/NOTES.md session
-    16), and whether it passes depends on the GEMM algorithms XLA picks. On a mismatch the message lists
+    asserts an invariant that holds only with batch-invariant matmuls (the engine's batch-invariant mode
+    since session 17, `test_batch_invariant_mode_on_kernels`; this test runs without it), and whether it
+    passes depends on the GEMM algorithms XLA picks. On a mismatch the message lists
     each parted request's first differing token with the f32 XLA path's logit margin there (DESIGN.md
     section 4: a mismatch is a bug unless it traces to a near-tie)."""
     from bench.batch_invariance import parted_requests
@@ -164,4 +165,29 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     got = run_workload(spec)
     st = spec.stats
     assert 0 < st["spec_accepted"] < st["spec_drafted"]  # partial acceptance: the fold replays a prefix
+    assert got == want, parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_batch_invariant_mode_on_kernels(model, impl):
+    """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
+    128) on the H200: a sequence's next-token logit row is bit for bit the same in a decode step, a decode
+    step of a 4x larger bucket, a mixed step and a verify block, and each verify row equals the decode
+    step of its token (bench/batch_invariance.py's `step_rows`, as tests/test_batch_invariant.py checks on
+    the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode."""
+    from bench.batch_invariance import parted_requests, step_rows
+    from k3jax.config import BATCH_INVARIANT_ROWS
+
+    m = dataclasses.replace(model, impl=impl)
+    inv = dataclasses.replace(m, config=m.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
+    r = step_rows(inv, prompt_len=100, gamma=4, seed=0)
+    assert r["mixed_bitwise_equal"] and r["wide_bitwise_equal"] and r["verify_bitwise_equal"], r
+    assert r["verify_vs_decode_chain_bitwise_equal"], r
+    want = run_workload(LLM(m, batch_invariant=True, **ENGINE_KW))
+    phase1, phase2 = workload()
+    prompts = phase1 + phase2(want[: len(phase1)])
+    oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, m.config.vocab_size)
+    spec = LLM(m, batch_invariant=True, speculative=oracle, num_draft_tokens=4, **ENGINE_KW)
+    got = run_workload(spec)
+    assert 0 < spec.stats["spec_accepted"] < spec.stats["spec_drafted"]
     assert got == want, parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want)

@@ -1,0 +1,152 @@
+"""The batch-invariant mode (`ModelConfig.batch_invariant_rows`, `LLM(batch_invariant=True)`): a token's
+logits come out bit for bit the same whatever the step it runs in (decode batches of any size, mixed
+decode + prefill steps, speculative verify blocks), because every row-wise piece of the step runs in
+fixed blocks of rows (`pallas_kernels.dispatch.rowwise`), the routed experts in expert-aligned blocks
+and the MLA attention one query per row. On this CPU the step's rows differ by ~1e-5 without it
+(bench/batch_invariance.py); on the H200 such differences part speculative from plain decoding
+(bench/NOTES.md, sessions 14-16)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import LLM, SamplingParams
+from k3jax.api import load_model
+from k3jax.config import BATCH_INVARIANT_ROWS, ModelConfig, preset
+from k3jax.engine.engine import EngineConfig
+from k3jax.model.common import proj
+from k3jax.model.init import init_params
+from k3jax.model.moe import route, routed_experts
+from pallas_kernels.dispatch import batch_invariant, batch_invariant_rows, rowwise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("k3-tiny", seed=0)
+
+
+def invariant(model, rows=64):
+    return dataclasses.replace(model, config=model.config.replace(batch_invariant_rows=rows))
+
+
+def test_rowwise_runs_fixed_blocks_and_gives_a_row_the_same_bits_at_every_row_count():
+    """Off, `rowwise` is the function itself; on, the same values (a pytree output, a ragged last block,
+    nested `rowwise` inside the block running as is) and row 0 bit for bit equal at every row count."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (150, 3, 96))
+    w = jax.random.normal(jax.random.PRNGKey(1), (96, 40))
+
+    def fn(x):  # a product and a reduction over the last axis, a pytree out, and a nested rowwise
+        y = rowwise(lambda x: jnp.einsum("thd,dx->thx", x, w), x)
+        return y, jnp.sqrt(jnp.sum(x * x, -1))
+
+    plain = fn(x)
+    with batch_invariant(16):
+        assert batch_invariant_rows() == 16
+        got = jax.jit(lambda x: rowwise(fn, x))(x)
+        row0 = {T: np.asarray(jax.jit(lambda x: rowwise(fn, x)[0])(x[:T])[0]) for T in (1, 4, 16, 20, 150)}
+    assert batch_invariant_rows() == 0
+    for a, b in zip(got, plain):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    for T, r in row0.items():
+        np.testing.assert_array_equal(r, row0[1], err_msg=f"T={T}")
+    with pytest.raises(ValueError, match="row block"):
+        with batch_invariant(-1):
+            pass
+
+
+def test_weight_products_give_a_row_the_same_bits_at_every_row_count(model):
+    """`common.proj` as the step runs it in the mode: for every weight shape of k3-tiny, row 0 of x[:M] @ W
+    bit for bit the same at M = 1, 4, 20, 132 and 148 (bench/batch_invariance.py's GEMM table)."""
+    from bench.batch_invariance import gemm_rows
+
+    rows = gemm_rows(model.params, invariant(model).config)
+    assert len(rows) >= 5 and all(r["bitwise_equal"] for r in rows), rows
+
+
+def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens():
+    """The mode's routed experts (`moe._expert_blocks`: each expert's copies in blocks of R rows) compute
+    what `ragged_dot` does, with groups spanning several blocks and experts left unused, and a token's
+    output row does not change when the step routes more tokens (bit for bit)."""
+    cfg = preset("k3-tiny").replace(dtype="float32")
+    p = jax.tree.map(lambda a: a[0], init_params(cfg, 0).moe)
+    x = jax.random.normal(jax.random.PRNGKey(2), (37, cfg.hidden_size))
+    z = proj(x, p.latent_down) if p.latent_down is not None else x
+    idx, w = route(p, x, cfg)
+    ref = routed_experts(p, z, idx, w, cfg)
+    run = jax.jit(lambda z, idx, w: routed_experts(p, z, idx, w, cfg))
+    with batch_invariant(4):  # 37 x k copies over the experts: several blocks per group
+        got = run(z, idx, w)
+        few = run(z[:3], idx[:3], w[:3])
+    sizes = np.bincount(np.asarray(idx).reshape(-1), minlength=cfg.num_experts)
+    assert sizes.max() > 4
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(few), np.asarray(got)[:3])
+    with batch_invariant(64):  # one block per used expert
+        np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_step_rows_bit_for_bit_in_every_step_shape(model):
+    """The property itself: the next token's logit row of a sequence, computed from the same state in a
+    decode step (4 rows), a decode step of the next bucket (16 rows), a mixed step (4 + 128 rows: a
+    prefill of another sequence rides along) and a verify block (4 x 5 rows), is bit for bit the same in
+    the mode, and every row of the verify block equals the decode step that plain decoding runs for that
+    token; the mode computes the model's function (logits within f32 rounding of the mode off).
+
+    KDA heads of 128 x 128 (K3's, the kernels' shapes): with k3-tiny's own small heads a decode step's
+    rows stayed equal across batch buckets even before `rowwise` kept its loop body to itself, with these
+    they moved by ~1e-9 (the CPU fused the padding into the recurrence step's reductions)."""
+    from bench.batch_invariance import build_model, step_rows
+
+    k128 = build_model("k3-tiny", 128, "xla")
+    r = step_rows(invariant(k128), prompt_len=100, gamma=4, seed=0)
+    assert r["mixed_bitwise_equal"] and r["wide_bitwise_equal"] and r["verify_bitwise_equal"], r
+    assert r["verify_vs_decode_chain_bitwise_equal"], r
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 90).tolist()
+    np.testing.assert_allclose(invariant(model).logits(prompt), model.logits(prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_engine_speculative_equals_plain_in_the_mode(model):
+    """`LLM(batch_invariant=True)`: the engine workload (prefix cache, overlap, mixed steps) gives the same
+    greedy tokens with speculative decoding as without, and its steps run in the mode."""
+    from k3jax.spec.drafter import OracleDrafter
+    from tests.test_engine import ENGINE_KW, run_workload, workload
+
+    plain = LLM(model, batch_invariant=True, **ENGINE_KW)
+    assert plain.core.runner.cfg.batch_invariant_rows == BATCH_INVARIANT_ROWS
+    assert model.config.batch_invariant_rows == 0  # the caller's model is left as it is
+    want = run_workload(plain)
+    phase1, phase2 = workload()
+    prompts = phase1 + phase2(want[: len(phase1)])
+    oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, model.config.vocab_size)
+    spec = LLM(model, batch_invariant=True, speculative=oracle, num_draft_tokens=4, **ENGINE_KW)
+    assert run_workload(spec) == want
+    assert 0 < spec.stats["spec_accepted"] < spec.stats["spec_drafted"]
+    assert plain.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].token_ids  # still serving
+
+
+def test_mode_settings_are_checked():
+    with pytest.raises(ValueError, match="batch_invariant_rows"):
+        ModelConfig(batch_invariant_rows=-1)
+    with pytest.raises(NotImplementedError, match="batch_invariant with a mesh"):
+        EngineConfig(batch_invariant=True, mesh="tp=2").validate()
+    from sharding.step import make_sharded_step
+
+    with pytest.raises(NotImplementedError, match="batch-invariant mode"):
+        make_sharded_step(preset("k3-tiny").replace(batch_invariant_rows=64), "tp=1")
+
+
+def test_chunk_kernels_lay_segments_out_on_their_own_in_the_mode():
+    """In the mode the Mosaic GPU chunk path runs each varlen segment from a row that is a multiple of 8
+    (`mgpu.ALIGN_SEGMENTS`'s layout), so a prompt's chunk grid (and bf16 roundings) cannot depend on the
+    sequences packed before it."""
+    from pallas_kernels.kda import mgpu
+
+    cu = jnp.array([0, 5, 40], jnp.int32)
+    assert mgpu._layout_for(cu, 48).src is None
+    with batch_invariant(64):
+        lay = mgpu._layout_for(cu, 48)
+    assert lay.src is not None and int(lay.cu[1]) % 8 == 0 and int(lay.cu[1]) >= 5
