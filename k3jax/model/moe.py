@@ -115,8 +115,11 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     group starts on a block of R rows (its last block padded with zero rows), then every block through
     its expert's GLU as one [R, Din] product per weight, behind optimization barriers: the same shapes
     whatever the step, so a copy's output row cannot depend on how many tokens the step routes where
-    (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). Blocks past the last group are
-    skipped. -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
+    (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). The blocks past the last group
+    (at most min(E, T*k) of them) run too, on zero rows through the last expert, and are discarded: a
+    `cond` to skip them would read its predicate back to the host on a GPU, each block, where running one
+    costs an expert's weight read. -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the
+    ragged form returns."""
     n, E = flat.shape[0], p.w1.shape[0]
     e_sorted = flat[order]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
@@ -127,21 +130,14 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     NB = -(-n // R) + min(E, n)  # a bound on the blocks: sum_e ceil(n_e / R) < n / R + (experts used)
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
     block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
-    used = pend[-1] // R
-    barrier = jax.lax.optimization_barrier
     mm = lambda a, b: jnp.einsum("rd,dx->rx", a, b, preferred_element_type=jnp.float32)
 
     def block(args):
-        b, e, xb = args
+        e, xb = args
+        w1, w3, w2 = p.w1[e], p.w3[e], p.w2[e]
+        return mm(glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg), w2)
 
-        def run(xb, w1, w3, w2):
-            h = glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg)
-            return barrier(mm(h, w2))
-
-        ops = barrier((xb, p.w1[e], p.w3[e], p.w2[e]))
-        return jax.lax.cond(b < used, run, lambda *a: jnp.zeros((R, p.w2.shape[-1]), jnp.float32), *ops)
-
-    y = jax.lax.map(block, (jnp.arange(NB, dtype=jnp.int32), block_e, xs.reshape(NB, R, -1)))
+    y = jax.lax.map(block, (block_e, xs.reshape(NB, R, -1)))
     return y.reshape(NB * R, -1)[dest]
 
 
