@@ -17,15 +17,25 @@ from k3jax import LLM, SamplingParams
 from k3jax.api import load_model
 from k3jax.config import BATCH_INVARIANT_ROWS, ModelConfig, preset
 from k3jax.engine.engine import EngineConfig
+from k3jax.engine.runner import SeqWork, pack_step
 from k3jax.model.common import proj
 from k3jax.model.init import init_params
 from k3jax.model.moe import route, routed_experts
+from k3jax.state import init_state
 from pallas_kernels.dispatch import batch_invariant, batch_invariant_rows, rowwise
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_model("k3-tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def k128():
+    """k3-tiny with K3's 128 x 128 KDA heads (the kernels' shapes), in the mode."""
+    from bench.batch_invariance import build_model
+
+    return invariant(build_model("k3-tiny", 128, "xla"))
 
 
 def invariant(model, rows=64):
@@ -89,7 +99,7 @@ def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens():
         np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_step_rows_bit_for_bit_in_every_step_shape(model):
+def test_step_rows_bit_for_bit_in_every_step_shape(model, k128):
     """The property itself: the next token's logit row of a sequence, computed from the same state in a
     decode step (4 rows), a decode step of the next bucket (16 rows), a mixed step (4 + 128 rows: a
     prefill of another sequence rides along) and a verify block (4 x 5 rows), is bit for bit the same in
@@ -99,14 +109,35 @@ def test_step_rows_bit_for_bit_in_every_step_shape(model):
     KDA heads of 128 x 128 (K3's, the kernels' shapes): with k3-tiny's own small heads a decode step's
     rows stayed equal across batch buckets even before `rowwise` kept its loop body to itself, with these
     they moved by ~1e-9 (the CPU fused the padding into the recurrence step's reductions)."""
-    from bench.batch_invariance import build_model, step_rows
+    from bench.batch_invariance import step_rows
 
-    k128 = build_model("k3-tiny", 128, "xla")
-    r = step_rows(invariant(k128), prompt_len=100, gamma=4, seed=0)
+    r = step_rows(k128, prompt_len=100, gamma=4, seed=0)
     assert r["mixed_bitwise_equal"] and r["wide_bitwise_equal"] and r["verify_bitwise_equal"], r
     assert r["verify_vs_decode_chain_bitwise_equal"], r
     prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 90).tolist()
     np.testing.assert_allclose(invariant(model).logits(prompt), model.logits(prompt), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_rows_do_not_depend_on_the_sequences_packed_with_them(k128):
+    """A prompt prefilled alone and prefilled after another prompt in the same step (so at another offset
+    of the pack, with other chunks beside it): the same last-token logits and final recurrent state, bit for
+    bit (without the mode the logits differ by ~1e-5 on this CPU)."""
+    from k3jax.model.forward import forward
+
+    cfg, ps = k128.config, 64
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 256, 100).tolist(), rng.integers(0, 256, 37).tolist()
+    fwd = jax.jit(forward, static_argnames=("cfg", "impl"))
+
+    def run(works, P):
+        p = pack_step([], works, D=0, P=P, NP=len(works), pages_per_seq=2)
+        logits, st = fwd(k128.params, init_state(cfg, slots=4, pages=8, page_size=ps), p.batch, cfg=cfg, impl="xla")
+        return np.asarray(logits)[p.rows[-1]].reshape(-1, cfg.vocab_size)[-1], np.asarray(st.recurrent.ssm[1])
+
+    wa = SeqWork(a, 0, 1, [1, 2])
+    alone, packed = run([wa], 128), run([SeqWork(b, 0, 2, [3, 4]), wa], 192)
+    np.testing.assert_array_equal(alone[0], packed[0])
+    np.testing.assert_array_equal(alone[1], packed[1])
 
 
 def test_engine_speculative_equals_plain_in_the_mode(model):
