@@ -34,7 +34,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"  # parameter and activation dtype; norms, router, KDA state in f32
     # the batch-invariant mode's row block (0: off): a numerics setting of the steps, not of the model
-    # (never written to a config.json); see `k3jax.model.common.rowwise` and docs/batch_invariance.md
+    # (never written to a config.json); see `pallas_kernels.dispatch.rowwise` and docs/batch_invariance.md
     batch_invariant_rows: int = 0
     max_position_embeddings: int = 1048576
     bos_token_id: int | None = 163584
