@@ -77,7 +77,7 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
         per_token = batch_invariant_rows() > 0
         if per_token:  # every token its own query over its sequence's pages, in fixed blocks
             rows, pages = pool.attention_pages(ctx.page_table, layer)
-            seq = jnp.clip(ctx.token_seq, 0, rows.shape[0] - 1)
+            seq = ctx.token_seq  # already clipped to the step's sequences (`make_context`)
             one = lambda q, pos, r, n: attend(q[:, None], pos[:, None], r, pages, n)[:, 0]
             outs.append(rowwise(one, qf, jnp.where(ctx.token_valid, ctx.positions, -1), rows[seq], ctx.seq_end[seq]))
         elif nd:

@@ -113,7 +113,7 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
                    R: int) -> jax.Array:
     """The batch-invariant grouped matmul: the expert-sorted copies of z laid out so that each expert's
     group starts on a block of R rows (its last block padded with zero rows), then every block through
-    its expert's GLU as one [R, Din] product per weight, behind optimization barriers: the same shapes
+    its expert's GLU as one [R, Din] product per weight, one block per `lax.map` step: the same shapes
     whatever the step, so a copy's output row cannot depend on how many tokens the step routes where
     (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). The blocks past the last group
     (at most min(E, T*k) of them) run too, on zero rows through the last expert, and are discarded: a
