@@ -49,14 +49,16 @@ calls() {
    mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
    with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
    if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
-12 the batch-invariant mode (session 17: `LLM(batch_invariant=True)`, row blocks of 128):
-   tests/gpu/test_engine_gpu.py -k "batch_invariant or speculative" on the Pallas and XLA paths (in the mode:
-   the step rows bit for bit in decode, 4x decode, mixed and verify steps, and the engine's speculative
-   tokens against plain; without it: the speculative test as before), then k3-mini decode at batch 1 and
-   64 with and without the mode, with the profile's breakdown (its cost) (~9 min) -> tests.txt,
-   k3_mini_invariant.json. Prediction: the mode's tests pass on both paths; the speculative test without
-   it may part on the Pallas path (3 of 4 emulated noise patterns do); the mode costs < 10% at batch 1
-   and 10-40% at batch 64 (the MoE's per-expert blocks)
+12 the batch-invariant mode (session 17: `LLM(batch_invariant=True)`, row blocks of 128): k3-mini decode at
+   batch 1 and 64 with and without the mode, then tests/gpu/test_engine_gpu.py -k "batch_invariant or
+   speculative" on both paths. Ran in session 18 (on an H100, results/session18/): the mode's mixed step
+   parted from decode by ~1.7e-5 on both paths (the GEMM autotuner, per fusion shape); fixed by
+   `dispatch.block_loop`; call 13 checks the fix
+13 the batch-invariant mode after session 18's `block_loop` (every blocked computation on loop-carried
+   operands of one block's shape; a constant trip count, no read-backs): tests/gpu/test_engine_gpu.py -k
+   batch_invariant on the Pallas and XLA paths (~3 min) -> tests.txt, then k3-mini decode at batch 1 and
+   64 with and without the mode, split layout (~3 min) -> k3_mini_invariant.json. Prediction: the tests
+   pass on both paths (the mixed step too); the mode costs ~2x at batch 1 (the MoE's expert blocks)
 EOF
 }
 
@@ -160,10 +162,17 @@ case "$1" in
         --out "$OUT/kda_aligned.json"
     ;;
 12)
-    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
+    step k3_mini_invariant timeout 270 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
+    step tests timeout 280 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
         -k "batch_invariant or speculative"
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
-    step k3_mini_invariant timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
+    ;;
+13)
+    step tests timeout 220 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
+        -k "batch_invariant"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step k3_mini_invariant timeout 170 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
     ;;
 *)

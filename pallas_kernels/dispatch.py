@@ -67,6 +67,13 @@ def resolve_impl(impl: str, op: str) -> str:
 # of its step.
 _INVARIANT_ROWS = contextvars.ContextVar("k3jax_batch_invariant_rows", default=0)
 
+# The blocks of the MLA attention in the mode (`rowwise(..., max_rows=...)`): every query row reads its
+# whole context, so a padded row costs as much as a real one, and small blocks bound that waste.
+# ATTENTION_ROWS: decode and verify tokens, each its own query; ATTENTION_CHUNKS: prefill chunks, each
+# one sequence's `varlen.CHUNK_TOKENS` tokens as one query group over that sequence's pages.
+ATTENTION_ROWS = 16
+ATTENTION_CHUNKS = 4
+
 
 @contextlib.contextmanager
 def batch_invariant(rows: int):
@@ -85,56 +92,70 @@ def batch_invariant_rows() -> int:
     return _INVARIANT_ROWS.get()
 
 
-def rowwise(fn, *xs):
+def rowwise(fn, *xs, max_rows: int | None = None):
     """fn(*xs), for arrays xs that share their leading (token) axis and an fn that treats each index of
     that axis on its own (its outputs, a pytree, lead with the same axis).
 
     In the batch-invariant mode (`batch_invariant`, entered by the model's forward from
     `ModelConfig.batch_invariant_rows`) fn runs on fixed blocks of that many rows (the last block padded
-    with zero rows), one block per iteration of a while loop, so every product and reduction in fn is
-    compiled for one shape in a computation of its own (the loop body), whatever the step's token count
-    and whatever surrounds it: a row's bits cannot depend on the GEMM algorithm, reduction split or
-    fusion XLA chooses for that count and that program. Two things keep the body to itself, both found on
-    the CPU, where a decode step's rows moved by ~1e-9 between batch buckets without them:
-    - the inputs ride in the loop carry and each block is cleared once read, so XLA cannot sink their
-      producers (the padding, the ops before it) into the body and fuse them with fn's reductions
-      (optimization barriers do not stop that: the CPU pipeline removes them before fusion);
-    - the trip count is computed on the device (`_opaque_count`), so XLA cannot inline a one-block loop
-      into the program around it.
-    The cost on a GPU: the loop reads its predicate back each iteration (one sync per block).
-    Off, fn(*xs) as is. Inside a block the mode is off: a `rowwise` (a `proj`, an `rms_norm`) within fn
-    runs on the block as it is."""
+    with zero rows) through `block_loop`, so every product and reduction in fn is compiled for one shape
+    in a computation of its own (the loop body), whatever the step's token count and whatever surrounds
+    it: a row's bits cannot depend on the GEMM algorithm, reduction split or fusion XLA chooses for that
+    count and that program. Off, fn(*xs) as is. Inside a block the mode is off: a `rowwise` (a `proj`, an
+    `rms_norm`) within fn runs on the block as it is. `max_rows` caps the block (a fixed number too, so
+    still invariant) for an fn whose cost grows with each row's own work rather than with the weights it
+    shares, where padding a block costs as much as a real row (the MLA attention: `ATTENTION_ROWS`)."""
     R = batch_invariant_rows()
     if not R:
         return fn(*xs)
+    if max_rows is not None:
+        R = min(R, max_rows)
     T = xs[0].shape[0]
     nb = max(1, -(-T // R))
-    padded = tuple(jnp.pad(x, [(0, nb * R - T)] + [(0, 0)] * (x.ndim - 1)) for x in xs)
+    blocks = tuple(jnp.pad(x, [(0, nb * R - T)] + [(0, 0)] * (x.ndim - 1)).reshape(nb, R, *x.shape[1:])
+                   for x in xs)
 
     def block(*b):
         with batch_invariant(0):
             return fn(*b)
 
-    shapes = jax.eval_shape(block, *(jax.ShapeDtypeStruct((R, *x.shape[1:]), x.dtype) for x in xs))
-    init = jax.tree.map(lambda s: jnp.zeros((nb * R, *s.shape[1:]), s.dtype), shapes)
+    out = block_loop(block, *blocks)
+    return jax.tree.map(lambda o: o.reshape(nb * R, *o.shape[2:])[:T], out)
+
+
+def block_loop(fn, *xs):
+    """fn over the leading (block) axis of xs, one block per iteration of a while loop: the stacked
+    outputs of fn(*(x[i] for x in xs)). The mode's way to run a computation at one shape in a computation
+    of its own (`rowwise`, the MoE's expert blocks), so its bits cannot depend on the program around it:
+    - fn's operands and outputs are loop-carried values of one block's shape: each iteration runs fn on
+      the blocks the previous one read, and writes the outputs the previous one made. Otherwise the
+      slicing out of (and the writing into) the stacked arrays fuses with fn's first and last ops, and
+      such a fusion's shape, so its HLO, changes with the number of blocks: the GPU's GEMM autotuner
+      then picks per program (on the H100 a decode step's rows moved by ~1.7e-5 between a 4-row and a
+      132-row step, session 18).
+    - The inputs ride in the carry and each block is cleared once read, so XLA cannot sink their
+      producers (the padding, the ops before) into the body (optimization barriers do not stop that:
+      the CPU pipeline removes them before fusion).
+    - The pipeline adds one iteration (fn on zero blocks, discarded), so the loop always has at least two
+      trips of a constant count: XLA inlines a one-trip loop into the program around it (a decode row
+      then moved by ~3e-5 on the CPU), and a GPU runs a loop of known trip count with no host read-back.
+    The cost: one spare block per loop."""
+    nb = xs[0].shape[0]
+    shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs))
+    take = lambda arrs, j: tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in arrs)
+    put = lambda stack, v, j: jax.lax.dynamic_update_index_in_dim(stack, v, j, 0)
 
     def body(i, carry):
-        ins, out = carry
-        y = block(*(jax.lax.dynamic_slice_in_dim(x, i * R, R) for x in ins))
-        # the inputs ride in the carry and each block is cleared once read: a loop-carried value, so XLA
-        # cannot sink their producers (the padding, the ops before) into the body and fuse them there
-        ins = tuple(jax.lax.dynamic_update_slice_in_dim(x, jnp.zeros((R, *x.shape[1:]), x.dtype), i * R, 0)
-                    for x in ins)
-        return ins, jax.tree.map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, i * R, 0), out, y)
+        ins, cur, prev, out = carry  # cur: block i - 1's inputs; prev: fn of block i - 2
+        out = jax.tree.map(lambda o, v: put(o, v, jnp.maximum(i - 2, 0)), out, prev)
+        y = fn(*cur)
+        j = jnp.minimum(i, nb - 1)
+        nxt = take(ins, j)
+        ins = tuple(put(x, jnp.zeros(x.shape[1:], x.dtype), j) for x in ins)
+        return ins, nxt, y, out
 
-    _, out = jax.lax.fori_loop(0, _opaque_count(nb, padded), body, (padded, init))
-    return jax.tree.map(lambda o: o[:T], out)
-
-
-def _opaque_count(n: int, xs) -> jax.Array:
-    """n as an int32 that XLA cannot fold to a constant: min(n, n + isnan(a float input's first element))
-    (n unless that element is NaN, and then still n)."""
-    x = next((a for a in xs if jnp.issubdtype(a.dtype, jnp.floating) and a.size), None)
-    if x is None:
-        return jnp.int32(n)
-    return jnp.minimum(n, n + jnp.isnan(x.reshape(-1)[0]).astype(jnp.int32))
+    init = (xs, tuple(jnp.zeros(x.shape[1:], x.dtype) for x in xs),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            jax.tree.map(lambda s: jnp.zeros((nb, *s.shape), s.dtype), shapes))
+    _, _, last, out = jax.lax.fori_loop(0, nb + 1, body, init)
+    return jax.tree.map(lambda o, v: put(o, v, nb - 1), out, last)

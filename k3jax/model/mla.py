@@ -17,7 +17,7 @@ from k3jax.model.common import proj, rms_norm, rowwise
 from k3jax.model.context import StepContext
 from k3jax.state import KVPool
 from pallas_kernels import mla as mla_kernels
-from pallas_kernels.dispatch import batch_invariant_rows
+from pallas_kernels.dispatch import ATTENTION_CHUNKS, ATTENTION_ROWS, batch_invariant_rows
 
 
 @jax.tree_util.register_dataclass
@@ -75,21 +75,29 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
         attend = shard.paged_attention(attend)
     with jax.named_scope("mla_attn"):
         per_token = batch_invariant_rows() > 0
-        if per_token:  # every token its own query over its sequence's pages, in fixed blocks
+        if per_token:  # decode and verify tokens: every token its own query over its sequence's pages
             rows, pages = pool.attention_pages(ctx.page_table, layer)
-            seq = ctx.token_seq  # already clipped to the step's sequences (`make_context`)
+            seq = ctx.token_seq[:ndt]  # already clipped to the step's sequences (`make_context`)
             one = lambda q, pos, r, n: attend(q[:, None], pos[:, None], r, pages, n)[:, 0]
-            outs.append(rowwise(one, qf, jnp.where(ctx.token_valid, ctx.positions, -1), rows[seq], ctx.seq_end[seq]))
+            if ndt:
+                outs.append(rowwise(one, qf[:ndt], jnp.where(ctx.token_valid[:ndt], ctx.positions[:ndt], -1),
+                                    rows[seq], ctx.seq_end[seq], max_rows=ATTENTION_ROWS))
         elif nd:
             o = attend(qf[:ndt].reshape(nd, B, *qf.shape[1:]), ctx.positions[:ndt].reshape(nd, B),
                        *pool.attention_pages(ctx.page_table[:nd], layer), ctx.seq_end[:nd])
             outs.append(o.reshape(ndt, *o.shape[2:]))
-        if T > ndt and not per_token:
+        if T > ndt:  # prefill: one chunk of one sequence per query group
             tab = ctx.prefill_chunks
             Tp = T - ndt
             idx = jnp.clip(tab.token_idx, 0, Tp - 1) + ndt  # [NC, C]
             seq = tab.chunk_seq + nd
-            o = attend(qf[idx], ctx.positions[idx], *pool.attention_pages(ctx.page_table[seq], layer), ctx.seq_end[seq])
+            if per_token:  # a chunk's tokens at fixed depths of its fixed-size group, groups in fixed blocks
+                chunk = lambda q, pos, r, n: attend(q, pos, r, pages, n)
+                o = rowwise(chunk, qf[idx], jnp.where(tab.token_valid, ctx.positions[idx], -1), rows[seq],
+                            ctx.seq_end[seq], max_rows=ATTENTION_CHUNKS)
+            else:
+                o = attend(qf[idx], ctx.positions[idx], *pool.attention_pages(ctx.page_table[seq], layer),
+                           ctx.seq_end[seq])
             dest = jnp.where(tab.token_valid, tab.token_idx, Tp).reshape(-1)
             outs.append(jnp.zeros((Tp, H, R), jnp.float32).at[dest].set(o.reshape(-1, H, R), mode="drop"))
         o_lat = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]

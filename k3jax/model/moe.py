@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.model.common import glu, proj, rms_norm, rowwise
-from pallas_kernels.dispatch import batch_invariant_rows
+from pallas_kernels.dispatch import batch_invariant_rows, block_loop
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +113,7 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
                    R: int) -> jax.Array:
     """The batch-invariant grouped matmul: the expert-sorted copies of z laid out so that each expert's
     group starts on a block of R rows (its last block padded with zero rows), then every block through
-    its expert's GLU as one [R, Din] product per weight, one block per `lax.map` step: the same shapes
+    its expert's GLU as one [R, Din] product per weight, one block per step of `block_loop`: the same shapes
     whatever the step, so a copy's output row cannot depend on how many tokens the step routes where
     (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). The blocks past the last group
     (at most min(E, T*k) of them) run too, on zero rows through the last expert, and are discarded: a
@@ -132,12 +132,11 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
     mm = lambda a, b: jnp.einsum("rd,dx->rx", a, b, preferred_element_type=jnp.float32)
 
-    def block(args):
-        e, xb = args
+    def block(e, xb):
         w1, w3, w2 = p.w1[e], p.w3[e], p.w2[e]
         return mm(glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg), w2)
 
-    y = jax.lax.map(block, (block_e, xs.reshape(NB, R, -1)))
+    y = block_loop(block, block_e, xs.reshape(NB, R, -1))
     return y.reshape(NB * R, -1)[dest]
 
 
