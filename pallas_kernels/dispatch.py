@@ -67,12 +67,14 @@ def resolve_impl(impl: str, op: str) -> str:
 # of its step.
 _INVARIANT_ROWS = contextvars.ContextVar("k3jax_batch_invariant_rows", default=0)
 
-# The blocks of the MLA attention in the mode (`rowwise(..., max_rows=...)`): every query row reads its
-# whole context, so a padded row costs as much as a real one, and small blocks bound that waste.
-# ATTENTION_ROWS: decode and verify tokens, each its own query; ATTENTION_CHUNKS: prefill chunks, each
-# one sequence's `varlen.CHUNK_TOKENS` tokens as one query group over that sequence's pages.
-ATTENTION_ROWS = 16
-ATTENTION_CHUNKS = 4
+# Smaller blocks for row-wise work that reads each row's own context rather than weights shared by the
+# block (`rowwise(..., max_rows=...)`): a padded row then costs as much as a real one, and a small block
+# bounds that waste. CONTEXT_ROWS: the MLA attention of decode and verify tokens (each its own query
+# over its sequence's pages) and the XLA path's KDA recurrence step (each sequence's state);
+# CONTEXT_CHUNKS: the MLA attention of prefill chunks (each one sequence's `varlen.CHUNK_TOKENS` tokens
+# as one query group over that sequence's pages).
+CONTEXT_ROWS = 16
+CONTEXT_CHUNKS = 4
 
 
 @contextlib.contextmanager
@@ -104,7 +106,7 @@ def rowwise(fn, *xs, max_rows: int | None = None):
     count and that program. Off, fn(*xs) as is. Inside a block the mode is off: a `rowwise` (a `proj`, an
     `rms_norm`) within fn runs on the block as it is. `max_rows` caps the block (a fixed number too, so
     still invariant) for an fn whose cost grows with each row's own work rather than with the weights it
-    shares, where padding a block costs as much as a real row (the MLA attention: `ATTENTION_ROWS`)."""
+    shares, where padding a block costs as much as a real row (`CONTEXT_ROWS`)."""
     R = batch_invariant_rows()
     if not R:
         return fn(*xs)

@@ -17,7 +17,7 @@ from k3jax.model.common import proj, rms_norm, rowwise
 from k3jax.model.context import StepContext
 from k3jax.state import KVPool
 from pallas_kernels import mla as mla_kernels
-from pallas_kernels.dispatch import ATTENTION_CHUNKS, ATTENTION_ROWS, batch_invariant_rows
+from pallas_kernels.dispatch import CONTEXT_CHUNKS, CONTEXT_ROWS, batch_invariant_rows
 
 
 @jax.tree_util.register_dataclass
@@ -81,7 +81,7 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
             one = lambda q, pos, r, n: attend(q[:, None], pos[:, None], r, pages, n)[:, 0]
             if ndt:
                 outs.append(rowwise(one, qf[:ndt], jnp.where(ctx.token_valid[:ndt], ctx.positions[:ndt], -1),
-                                    rows[seq], ctx.seq_end[seq], max_rows=ATTENTION_ROWS))
+                                    rows[seq], ctx.seq_end[seq], max_rows=CONTEXT_ROWS))
         elif nd:
             o = attend(qf[:ndt].reshape(nd, B, *qf.shape[1:]), ctx.positions[:ndt].reshape(nd, B),
                        *pool.attention_pages(ctx.page_table[:nd], layer), ctx.seq_end[:nd])
@@ -94,7 +94,7 @@ def mla_layer(p: MLAParams, x: jax.Array, ctx: StepContext, pool: KVPool, layer:
             if per_token:  # a chunk's tokens at fixed depths of its fixed-size group, groups in fixed blocks
                 chunk = lambda q, pos, r, n: attend(q, pos, r, pages, n)
                 o = rowwise(chunk, qf[idx], jnp.where(tab.token_valid, ctx.positions[idx], -1), rows[seq],
-                            ctx.seq_end[seq], max_rows=ATTENTION_CHUNKS)
+                            ctx.seq_end[seq], max_rows=CONTEXT_CHUNKS)
             else:
                 o = attend(qf[idx], ctx.positions[idx], *pool.attention_pages(ctx.page_table[seq], layer),
                            ctx.seq_end[seq])

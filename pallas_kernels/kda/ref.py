@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dispatch import rowwise
+from pallas_kernels.dispatch import CONTEXT_ROWS, rowwise
 from pallas_kernels.varlen import CHUNK_TOKENS as CHUNK
 from pallas_kernels.varlen import chunk_table
 
@@ -112,8 +112,9 @@ def _step(S, q, k, v, g, beta):
 def step_rows(S, q, k, v, g, beta):
     """`_step` for a batch of sequences (leading axis): the decode, verify and fold paths' step, through
     `dispatch.rowwise` so that in the batch-invariant mode a sequence's step is one compiled block
-    whatever the batch (the CPU compiles a bare `_step` differently inside a scan, or next to a prefill)."""
-    return rowwise(_step, S, q, k, v, g, beta)
+    whatever the batch (the CPU compiles a bare `_step` differently inside a scan, or next to a prefill),
+    in blocks of `dispatch.CONTEXT_ROWS` sequences: each reads and writes its own state."""
+    return rowwise(_step, S, q, k, v, g, beta, max_rows=CONTEXT_ROWS)
 
 
 def kda_recurrent_ref(q, k, v, g, beta, *, scale=None, initial_state=None):
