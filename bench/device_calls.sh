@@ -54,11 +54,17 @@ calls() {
    speculative" on both paths. Ran in session 18 (on an H100, results/session18/): the mode's mixed step
    parted from decode by ~1.7e-5 on both paths (the GEMM autotuner, per fusion shape); fixed by
    `dispatch.block_loop`; call 13 checks the fix
-13 the batch-invariant mode after session 18's `block_loop` (every blocked computation on loop-carried
-   operands of one block's shape; a constant trip count, no read-backs): tests/gpu/test_engine_gpu.py -k
-   batch_invariant on the Pallas and XLA paths (~3 min) -> tests.txt, then k3-mini decode at batch 1 and
-   64 with and without the mode, split layout (~3 min) -> k3_mini_invariant.json. Prediction: the tests
-   pass on both paths (the mixed step too); the mode costs ~2x at batch 1 (the MoE's expert blocks)
+13 the batch-invariant mode after session 18's `block_loop`: tests/gpu/test_engine_gpu.py -k batch_invariant on
+   both paths, then k3-mini decode at batch 1 and 64 with and without the mode. Ran in session 18 (H100):
+   both paths pass; 5.02 -> 14.6 ms at batch 1, 6.86 -> 24.9 ms at batch 64 (the MoE's expert blocks)
+14 the mode's cost with CUDA-graph loops: k3-mini decode at batch 1 and 64 with and without the mode, as is
+   and with XLA_FLAGS command buffers that include WHILE and CONDITIONAL (device-side loops), then the mode's
+   tests/gpu test under those flags (~8 min) -> k3_mini_invariant.json, k3_mini_cmdbuf.json, tests.txt.
+   Prediction: the mode's step at batch 64 drops by a third or more (~70 loop iterations a layer, each a
+   handful of launches), the mode-off step by < 5%, and the bits still hold
+15 the speculative tests without the mode on both paths (~7 min) -> tests.txt: which requests part and each
+   one's f32 logit margin (the message is a JSON string since session 18); a margin above 1e-4 is a GEMM
+   row-count effect through a router near-tie, not a logit near-tie (DESIGN.md section 4)
 EOF
 }
 
@@ -174,6 +180,21 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step k3_mini_invariant timeout 170 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
+    ;;
+14)
+    CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    step k3_mini_invariant timeout 120 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
+    step k3_mini_cmdbuf env XLA_FLAGS="$CB" timeout 150 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
+        --layouts split --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_cmdbuf.json"
+    step tests env XLA_FLAGS="$CB" timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py \
+        -p no:cacheprovider -n 2 -rfEX -k "batch_invariant"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    ;;
+15)
+    step tests timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
+        -k "speculative"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -152,7 +152,8 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     flip MoE router near-ties: 3 of 4 noise patterns part this workload. So on the Pallas path this test
     asserts an invariant that holds only with batch-invariant matmuls (the engine's batch-invariant mode
     since session 17, `test_batch_invariant_mode_on_kernels`; this test runs without it), and whether it
-    passes depends on the GEMM algorithms XLA picks. On a mismatch the message lists
+    passes depends on the GEMM algorithms XLA picks; in session 18 (an H100) it parted requests 5 and 7
+    on both paths, so the XLA path needs the mode too. On a mismatch the message lists
     each parted request's first differing token with the f32 XLA path's logit margin there (DESIGN.md
     section 4: a mismatch is a bug unless it traces to a near-tie)."""
     from bench.batch_invariance import parted_requests
@@ -173,7 +174,8 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_batch_invariant_mode_on_kernels(model, impl):
     """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
-    128) on the H200: a sequence's next-token logit row is bit for bit the same in a decode step, a decode
+    128) on the GPU (passes on an H100 on both paths since session 18's `dispatch.block_loop`; before it,
+    the mixed step's rows moved by ~1.7e-5): a sequence's next-token logit row is bit for bit the same in a decode step, a decode
     step of a 4x larger bucket, a mixed step and a verify block, and each verify row equals the decode
     step of its token (bench/batch_invariance.py's `step_rows`, as tests/test_batch_invariant.py checks on
     the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode."""
