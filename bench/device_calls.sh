@@ -57,11 +57,14 @@ calls() {
 13 the batch-invariant mode after session 18's `block_loop`: tests/gpu/test_engine_gpu.py -k batch_invariant on
    both paths, then k3-mini decode at batch 1 and 64 with and without the mode. Ran in session 18 (H100):
    both paths pass; 5.02 -> 14.6 ms at batch 1, 6.86 -> 24.9 ms at batch 64 (the MoE's expert blocks)
-14 the mode's cost with CUDA-graph loops: k3-mini decode at batch 1 and 64 with and without the mode, as is
-   and with XLA_FLAGS command buffers that include WHILE and CONDITIONAL (device-side loops), then the mode's
-   tests/gpu test under those flags (~8 min) -> k3_mini_invariant.json, k3_mini_cmdbuf.json, tests.txt.
-   Prediction: the mode's step at batch 64 drops by a third or more (~70 loop iterations a layer, each a
-   handful of launches), the mode-off step by < 5%, and the bits still hold
+14 the mode's cost: k3-mini decode at batch 1 and 64 without the mode and in it with one and four expert
+   blocks a loop step (`moe.EXPERT_GROUP`), then with XLA_FLAGS command buffers that include WHILE and
+   CONDITIONAL (device-side loops) without and in the mode, then the mode's tests/gpu test under those
+   flags (~9 min) -> k3_mini_invariant.json, k3_mini_cmdbuf.json, tests.txt. Prediction: four blocks a step
+   cut the mode's moe_ms at batch 64 by half or more (a quarter of the ~70 launch-bound steps a layer, each
+   gathering four experts' weights); the command buffers cut the mode's step at batch 64 by a third or more
+   and the mode-off step by < 5%, and the bits still hold. Rule: EXPERT_GROUP = 4 if it is faster at both
+   batches, then call 13 again (its bits on the GPU)
 15 the speculative tests without the mode on both paths (~7 min) -> tests.txt: which requests part and each
    one's f32 logit margin (the message is a JSON string since session 18); a margin above 1e-4 is a GEMM
    row-count effect through a router near-tie, not a logit near-tie (DESIGN.md section 4)
@@ -183,11 +186,11 @@ case "$1" in
     ;;
 14)
     CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-    step k3_mini_invariant timeout 120 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
-        --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
+    step k3_mini_invariant timeout 160 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --expert-group 1 4 --iters 10 --out "$OUT/k3_mini_invariant.json"
     step k3_mini_cmdbuf env XLA_FLAGS="$CB" timeout 150 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
         --layouts split --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_cmdbuf.json"
-    step tests env XLA_FLAGS="$CB" timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py \
+    step tests env XLA_FLAGS="$CB" timeout 230 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py \
         -p no:cacheprovider -n 2 -rfEX -k "batch_invariant"
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     ;;

@@ -40,6 +40,7 @@ from bench._common import device_events  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
 from k3jax.model import kda as kda_model  # noqa: E402
+from k3jax.model import moe as moe_model  # noqa: E402
 from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
@@ -199,6 +200,10 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", type=int, nargs="*", default=[0], metavar="ROWS",
                     help="row blocks of the batch-invariant mode to run every row in (0: off; 128: what "
                          "LLM(batch_invariant=True) runs); rows marked batch_invariant_rows (default: 0)")
+    ap.add_argument("--expert-group", type=int, nargs="*", default=[1], metavar="G",
+                    help="with a --batch-invariant row block: expert blocks per loop step of the mode's routed "
+                         "experts (`k3jax.model.moe.EXPERT_GROUP`; 1, the default, one block a step); rows marked "
+                         "expert_group")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -217,16 +222,19 @@ def main(argv=None):
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    runs = [(s, impl, lay, fused, bi) for s in shapes for impl in args.impl for lay in args.layouts
+    runs = [(s, impl, lay, fused, bi, eg) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
-            for bi in args.batch_invariant]
+            for bi in args.batch_invariant for eg in (args.expert_group if bi else [1])]
     base_cfg = cfg
-    for (kind, B), impl, layout, fused, bi in runs:
+    for (kind, B), impl, layout, fused, bi, eg in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
             "prefill_tokens": B, "impl": impl, "layout": layout, "fused_inputs": fused}
         row["batch_invariant_rows"] = bi
+        if bi:
+            row["expert_group"] = eg
+        moe_model.EXPERT_GROUP = eg  # read when the step is traced
         kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
         step.clear_cache()
         make = ((lambda: decode_batch(cfg, B, args.context, args.page_size)) if kind == "decode"
@@ -259,13 +267,15 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'step_ms':>8} {'tok/s':>9}  kda_ms  mla_ms  moe_ms  lm_head  other"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'step_ms':>8} {'tok/s':>9}"
+          "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)")
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
+              f"{r.get('expert_group', 1):2d} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")

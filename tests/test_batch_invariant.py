@@ -18,6 +18,7 @@ from k3jax.api import load_model
 from k3jax.config import BATCH_INVARIANT_ROWS, ModelConfig, preset
 from k3jax.engine.engine import EngineConfig
 from k3jax.engine.runner import SeqWork, pack_step
+from k3jax.model import moe
 from k3jax.model.common import proj
 from k3jax.model.init import init_params
 from k3jax.model.moe import route, routed_experts
@@ -83,10 +84,13 @@ def test_weight_products_give_a_row_the_same_bits_at_every_row_count(model):
     assert len(rows) >= 5 and all(r["bitwise_equal"] for r in rows), rows
 
 
-def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens():
-    """The mode's routed experts (`moe._expert_blocks`: each expert's copies in blocks of R rows) compute
-    what `ragged_dot` does, with groups spanning several blocks and experts left unused, and a token's
-    output row does not change when the step routes more tokens (bit for bit)."""
+@pytest.mark.parametrize("group", [1, 3])
+def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(group, monkeypatch):
+    """The mode's routed experts (`moe._expert_blocks`: each expert's copies in blocks of R rows, one block
+    or `moe.EXPERT_GROUP` = 3 blocks a loop step) compute what `ragged_dot` does, with groups spanning
+    several blocks and experts left unused, and a token's output row does not change when the step routes
+    more tokens (bit for bit)."""
+    monkeypatch.setattr(moe, "EXPERT_GROUP", group)
     cfg = preset("k3-tiny").replace(dtype="float32")
     p = jax.tree.map(lambda a: a[0], init_params(cfg, 0).moe)
     x = jax.random.normal(jax.random.PRNGKey(2), (37, cfg.hidden_size))
@@ -103,6 +107,9 @@ def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens():
     np.testing.assert_array_equal(np.asarray(few), np.asarray(got)[:3])
     with batch_invariant(64):  # one block per used expert
         np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(moe, "EXPERT_GROUP", 0)
+    with batch_invariant(4), pytest.raises(ValueError, match="EXPERT_GROUP"):
+        routed_experts(p, z, idx, w, cfg)
 
 
 def test_step_rows_bit_for_bit_in_every_step_shape(model, k128):

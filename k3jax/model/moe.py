@@ -109,11 +109,19 @@ def _combine(y, w, order, local, T: int, k: int):
     return out
 
 
+# Expert blocks per loop step in the batch-invariant mode (`_expert_blocks`), read while tracing: 1 runs
+# one [R, Din] product per weight a step; G > 1 runs G blocks' products as one batched product over their
+# G experts' weights (G times fewer steps, each launch-bound at decode; the weights of G experts are
+# gathered per step). A fixed G keeps every shape fixed, so either is batch-invariant; bench flag
+# `bench/k3_mini_h200.py --expert-group` measures them on a GPU.
+EXPERT_GROUP = 1
+
+
 def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, k: int, cfg: ModelConfig,
                    R: int) -> jax.Array:
     """The batch-invariant grouped matmul: the expert-sorted copies of z laid out so that each expert's
     group starts on a block of R rows (its last block padded with zero rows), then every block through
-    its expert's GLU as one [R, Din] product per weight, one block per step of `block_loop`: the same shapes
+    its expert's GLU as one [R, Din] product per weight, `EXPERT_GROUP` blocks per step of `block_loop`: the same shapes
     whatever the step, so a copy's output row cannot depend on how many tokens the step routes where
     (`jax.lax.ragged_dot`'s algorithm and splits follow the group sizes). The blocks past the last group
     (at most min(E, T*k) of them) run too, on zero rows through the last expert, and are discarded: a
@@ -127,16 +135,23 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     pend = jnp.cumsum(padded)
     rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
     dest = (pend - padded)[e_sorted] + rank  # each sorted copy's row in the block layout
-    NB = -(-n // R) + min(E, n)  # a bound on the blocks: sum_e ceil(n_e / R) < n / R + (experts used)
+    G = EXPERT_GROUP
+    if G < 1:
+        raise ValueError(f"moe.EXPERT_GROUP must be >= 1, got {G}")
+    NB = -(-(-(-n // R) + min(E, n)) // G) * G  # a bound on the blocks (sum_e ceil(n_e / R) < n / R + experts
+    # used), rounded up to whole groups
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
     block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
-    mm = lambda a, b: jnp.einsum("rd,dx->rx", a, b, preferred_element_type=jnp.float32)
+    # one block a step, or G blocks as one batched product per weight over their G experts' weights
+    sub = "rd,dx->rx" if G == 1 else "grd,gdx->grx"
+    mm = lambda a, b: jnp.einsum(sub, a, b, preferred_element_type=jnp.float32)
 
     def block(e, xb):
         w1, w3, w2 = p.w1[e], p.w3[e], p.w2[e]
         return mm(glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg), w2)
 
-    y = block_loop(block, block_e, xs.reshape(NB, R, -1))
+    lead = (NB,) if G == 1 else (NB // G, G)
+    y = block_loop(block, block_e.reshape(lead), xs.reshape(*lead, R, -1))
     return y.reshape(NB * R, -1)[dest]
 
 
