@@ -138,8 +138,8 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     G = EXPERT_GROUP
     if G < 1:
         raise ValueError(f"moe.EXPERT_GROUP must be >= 1, got {G}")
-    NB = -(-(-(-n // R) + min(E, n)) // G) * G  # a bound on the blocks (sum_e ceil(n_e / R) < n / R + experts
-    # used), rounded up to whole groups
+    bound = -(-n // R) + min(E, n)  # on the blocks: sum_e ceil(n_e / R) < n / R + (experts used)
+    NB = -(-bound // G) * G  # rounded up to whole groups
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
     block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
     # one block a step, or G blocks as one batched product per weight over their G experts' weights
