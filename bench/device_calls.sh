@@ -15,7 +15,8 @@ calls() {
 1  tests/gpu in full (~5 min; new: fused gate / L2 norm, colwarp8 cases), then batch-1 decode with the
    one-barrier vt-32 forms and colwarp8 (kernel times from a profile), ~2 min -> tests.txt, kda_b1.json
 2  decode at batch 64, 256, 1024 x 12 and 96 heads: the default against colwarp8 at 1, 2, 4 tiles a CTA
-   (~5 min) -> kda_colwarp8.json
+   (~5 min) -> kda_colwarp8.json. Ran in session 19 (H100, results/session19/): colwarp8 1.8-2.5% slower
+   than the default at every batch >= 64, two and four tiles slower still: STEP_LAYOUT stays "colwarp"
 3  prefill rows with the gate and the L2 norm fused (ours fused, XLA first; fla fused) at
    1 x 32k x 12 and 8 x 4k x 12, then verify + fold without barriers and in colwarp8 at 256 x 12 and
    64 x 12, then the prep kernel alone and with no levels (~6 min; ran in session 13)
@@ -32,19 +33,15 @@ calls() {
 7  call 6 cut to a short budget: tests/gpu/test_engine_gpu.py (the model and the engine on the kernels,
    the speculative test, since session 15 on both paths and strict), then the Pallas-path engine
    check (~6 min) -> tests.txt, bi_pallas.json
-8  which XLA_FLAGS make the f32 GEMM rows batch-invariant (session 14: at M = 20 against M = 4, 6 of 10
-   weight shapes differ on the H200 and none on the CPU): the GEMM table (--no-step) under seven flag sets
-   (none; split-K autotuning off; autotune level 0; cuBLAS only; split-K off + no dot strength
-   reduction; deterministic ops; cuBLAS only + no dot strength reduction), one process each (~7 min)
-   -> gemm_<set>.json. Session 16: the Pallas path's parting needs this (bench/NOTES.md)
-9  the speculative engine tests and the engine check (speculative tokens against plain, parted
-   requests with their f32 logit margins) under the flags in $2 (a call-8 set that made the rows
-   invariant), e.g. `bash bench/device_calls.sh 9 "--xla_gpu_autotune_level=0"` (~4 min)
-   -> tests.txt, bi_pallas.json
+8  which XLA_FLAGS make the f32 GEMM rows batch-invariant: the GEMM table (--no-step) under seven flag
+   sets, one process each (~2 min) -> gemm_<set>.json. Ran in session 19 (H100): none, autotune level 0,
+   cuBLAS only and deterministic ops leave 0 of 10 weight shapes bitwise equal at every M; the split-K and
+   dot-strength-reduction flags no longer exist in JAX 0.11.2's XLA. No flag route: the batch-invariant
+   mode is the remedy (call 9, the speculative tests under such a flag, was dropped)
 10 verify + fold with two and four V tiles a CTA (session 14): tests/gpu's tiles and bitwise cases, then
-   verify + fold at 64 x 12 and 256 x 12 in colwarp and colwarp8 at 1 and 2 tiles (~8 min)
-   -> tests.txt, kda_verify_tiles.json. With call 2, decides STEP_LAYOUT = "colwarp8" (1 x 96 decode:
-   5.6-5.7 us against 6.1; it lost only verify + fold at 64 x 12, 0.245 ms against 0.156)
+   verify + fold at 64 x 12 and 256 x 12 in colwarp and colwarp8 at 1 and 2 tiles (~6 min)
+   -> tests.txt, kda_verify_tiles.json. Ran in session 19 (H100): the 12 cases pass; colwarp8 at 256 x 12
+   0.50-0.51 ms against colwarp's 0.43-0.48; with call 2, colwarp8 is not adopted
 11 aligned segments (session 15): tests/gpu's pack-offset, varlen, snapshot / pool cases with and without
    mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
    with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
@@ -59,15 +56,25 @@ calls() {
    both paths pass; 5.02 -> 14.6 ms at batch 1, 6.86 -> 24.9 ms at batch 64 (the MoE's expert blocks)
 14 the mode's cost: k3-mini decode at batch 1 and 64 without the mode and in it with one and four expert
    blocks a loop step (`moe.EXPERT_GROUP`), then with XLA_FLAGS command buffers that include WHILE and
-   CONDITIONAL (device-side loops) without and in the mode, then the mode's tests/gpu test under those
-   flags (~9 min) -> k3_mini_invariant.json, k3_mini_cmdbuf.json, tests.txt. Prediction: four blocks a step
-   cut the mode's moe_ms at batch 64 by half or more (a quarter of the ~70 launch-bound steps a layer, each
-   gathering four experts' weights); the command buffers cut the mode's step at batch 64 by a third or more
-   and the mode-off step by < 5%, and the bits still hold. Rule: EXPERT_GROUP = 4 if it is faster at both
-   batches, then call 13 again (its bits on the GPU)
-15 the speculative tests without the mode on both paths (~7 min) -> tests.txt: which requests part and each
-   one's f32 logit margin (the message is a JSON string since session 18); a margin above 1e-4 is a GEMM
-   row-count effect through a router near-tie, not a logit near-tie (DESIGN.md section 4)
+   CONDITIONAL, then the mode's tests/gpu test under those flags (~6 min) -> k3_mini_invariant.json,
+   k3_mini_cmdbuf.json, tests.txt. Ran in session 19 (H100): four blocks a step 17.7 ms at batch 1 (one:
+   15.7), 25.7 at 64 (one: 26.4): EXPERT_GROUP stays 1; the command buffers made the mode slower (18.1 and
+   29.2 ms) and left the mode-off step within noise; the mode's bits held under them
+15 the speculative tests without the mode on both paths (~4 min) -> tests.txt. Ran in session 19 (H100):
+   both paths part (Pallas: request 7; XLA: requests 5 and 7) with the f32 referee's margins 4.05 and -1.80
+   (top-2 gaps 0.17 and 0.92): not logit near-ties (bench/NOTES.md, session 19)
+16 the routed experts' grouped matmul: `jax.lax.ragged_dot`, which XLA's GPU backend lowers as a zero-padded
+   dense product (the k3-mini profile, session 4: moe_experts 2.2 of 3.7 ms at batch 1; at 64 and 256 the
+   cuBLAS kernels filed under "other", 2.6 and 10.8 ms), against `moe.GROUPED_MATMUL = "slabs"` (batched
+   products over all experts, T rows each) and against ragged_dot under
+   XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true (cuDNN's grouped GEMM):
+   tests/gpu/test_moe_gpu.py (both forms against float64) without and with the flag, then k3-mini decode
+   at batch 1, 64 and 256: ragged and slabs without the flag, ragged with it (~6 min) -> tests.txt,
+   tests_rd.txt, k3_mini_ragged0.json, k3_mini_ragged1.json. Prediction: slabs level with ragged at
+   batch 1 (both read all 16 experts' weights) and 2x or more faster at 256 (1/4 of the dense form's
+   products); the flag's ragged_dot faster than both at every batch if cuDNN has a plan for these shapes
+   (else the flagged runs fail at compile). Rule: the fastest form that passes its tests at every batch
+   becomes the GPU default (slabs: `GROUPED_MATMUL`; the flag: set by the engine on GPUs)
 EOF
 }
 
@@ -148,14 +155,6 @@ case "$1" in
         rm -f "$OUT/gemm_$name.log"  # the tail is on stdout; at most 8 files come back
     done
     ;;
-9)
-    : "${2:?call 9 takes the XLA_FLAGS to test as its second argument}"
-    step tests env XLA_FLAGS="$2" timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfEX \
-        tests/gpu/test_engine_gpu.py -k speculative
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
-    step bi_pallas env XLA_FLAGS="$2" timeout 200 python3 bench/batch_invariance.py --seeds 1 --engine \
-        --impl pallas --out "$OUT/bi_pallas.json"
-    ;;
 10)
     step tests timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_kda_gpu.py -p no:cacheprovider -n 4 -rfEX \
         -k "tiles or bitwise or auto_barriers"
@@ -198,6 +197,19 @@ case "$1" in
     step tests timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
         -k "speculative"
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    ;;
+16)
+    RD="--xla_gpu_experimental_use_ragged_dot_fusion=true"
+    step versions sh -c "python3 -m pip list 2>/dev/null | grep -i -E 'cudnn|^jax'"  # the flag needs cuDNN >= 9.22
+    step tests timeout 170 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step tests_rd env XLA_FLAGS="$RD" timeout 170 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py \
+        -p no:cacheprovider -rfEX
+    cp "$OUT/tests_rd.log" "$OUT/tests_rd.txt" && rm "$OUT/tests_rd.log"
+    step k3_mini_ragged0 timeout 150 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
+        --moe-impl ragged slabs --iters 10 --out "$OUT/k3_mini_ragged0.json"
+    step k3_mini_ragged1 env XLA_FLAGS="$RD" timeout 100 python3 bench/k3_mini_h200.py --batch 1 64 256 \
+        --impl pallas --layouts split --iters 10 --out "$OUT/k3_mini_ragged1.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -1,6 +1,8 @@
 """The jitted step: equals an independent f64 reference; one call == chunks == token-by-token;
 a ragged mixed batch gives every request what it gets alone; no compiles after warm-up."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,8 @@ from k3jax.api import Model
 from k3jax.compiles import count_compiles
 from k3jax.config import preset
 from k3jax.engine.runner import Buckets, SeqWork, pack_step
+from k3jax.model import moe
+from k3jax.model.common import proj
 from k3jax.model.forward import split_layers, stack_layers, step
 from k3jax.model.init import init_params
 from k3jax.state import init_state
@@ -50,6 +54,38 @@ def test_k3_tiny_matches_numpy_reference(tiny):
     want = reference_logits(params, cfg, ids)
     assert got.shape == (70, cfg.vocab_size) and got.dtype == np.float32
     assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_expert_slabs_equal_ragged_dot(tiny, dtype, monkeypatch):
+    """`moe.GROUPED_MATMUL = "slabs"` (three batched products over all experts, each expert's copies in
+    its own slab of T rows) computes what `ragged_dot` does: alone, split over two expert-parallel shards
+    (copies routed to the other shard's experts add nothing), and in the whole model against the f64
+    reference. A bad setting is refused by name."""
+    cfg, params = tiny
+    cfg = cfg.replace(dtype=dtype)
+    p = jax.tree.map(lambda a: a[0].astype(dtype), params.moe)
+    x = jax.random.normal(jax.random.PRNGKey(3), (37, cfg.hidden_size)).astype(dtype)
+    z = proj(x, p.latent_down) if p.latent_down is not None else x
+    idx, w = moe.route(p, x, cfg)
+    want = np.asarray(moe.routed_experts(p, z, idx, w, cfg), np.float64)
+    monkeypatch.setattr(moe, "GROUPED_MATMUL", "slabs")
+    half = cfg.num_experts // 2
+    shard = lambda lo, hi: dataclasses.replace(p, w1=p.w1[lo:hi], w3=p.w3[lo:hi], w2=p.w2[lo:hi])
+    got = {"all": moe.routed_experts(p, z, idx, w, cfg),
+           "shards": moe.routed_experts(shard(0, half), z, idx, w, cfg, first_expert=jax.numpy.int32(0))
+           + moe.routed_experts(shard(half, None), z, idx, w, cfg, first_expert=jax.numpy.int32(half))}
+    for name, y in got.items():
+        y = np.asarray(y, np.float64)
+        rel = np.linalg.norm(y - want) / np.linalg.norm(want)
+        assert rel < (1e-6 if dtype == "float32" else 1e-2), (name, rel)
+    if dtype == "float32":  # the model with slabs (a fresh name: the setting is read while tracing)
+        ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 40)
+        logits = Model(cfg.replace(name="k3-tiny-slabs"), params, None).logits(ids)
+        assert rel_err(logits, reference_logits(params, cfg, ids)) < 1e-4
+    monkeypatch.setattr(moe, "GROUPED_MATMUL", "dense")
+    with pytest.raises(ValueError, match="GROUPED_MATMUL"):
+        moe.routed_experts(p, z, idx, w, cfg)
 
 
 def test_per_layer_params_give_the_same_logits(tiny):

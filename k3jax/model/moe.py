@@ -86,11 +86,44 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     order = jnp.argsort(flat, stable=True)
     tok = order // k
     sizes = jnp.bincount(flat, length=E if local is None else E + 1)[:E].astype(jnp.int32)
+    if GROUPED_MATMUL == "slabs":
+        return _combine(_expert_slabs(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
+    if GROUPED_MATMUL != "ragged":
+        raise ValueError(f"moe.GROUPED_MATMUL must be 'ragged' or 'slabs', got {GROUPED_MATMUL!r}")
     xs = z[tok].astype(p.w1.dtype)
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
     h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
     y = jax.lax.ragged_dot(h, p.w2, sizes, preferred_element_type=jnp.float32)
     return _combine(y, w, order, local, T, k)
+
+
+# The grouped matmul of the routed experts outside the batch-invariant mode, read while tracing:
+# "ragged" = `jax.lax.ragged_dot` (TPU: a grouped kernel; XLA's GPU backend lowers it as a zero-padded
+# product of every copy with every expert, unless --xla_gpu_experimental_use_ragged_dot_fusion=true
+# hands it to cuDNN); "slabs" = `_expert_slabs`. bench/k3_mini_h200.py --moe-impl times both.
+GROUPED_MATMUL = "ragged"
+
+
+def _expert_slabs(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, sizes: jax.Array, k: int,
+                  cfg: ModelConfig) -> jax.Array:
+    """The grouped matmul as three batched products over all experts: expert e's copies fill slab e of
+    T rows (a token picks an expert at most once, so T rows always suffice), zero rows after them. Each
+    expert's weights are read once, as in a grouped kernel; the products cost E / k times the routed rows
+    (the zero-padded form that XLA's GPU backend makes of `ragged_dot` costs E times). Copies routed to
+    no local expert (`flat` == E under expert parallelism) go to a spare row and come back as zeros.
+    -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
+    n, E = flat.shape[0], p.w1.shape[0]
+    T = n // k
+    e_sorted = flat[order]
+    starts = jnp.cumsum(sizes) - sizes
+    rank = jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(e_sorted, E - 1)]
+    slot = jnp.where(e_sorted < E, e_sorted * T + rank, E * T)
+    xs = jnp.zeros((E * T + 1, z.shape[-1]), p.w1.dtype).at[slot].set(z[order // k].astype(p.w1.dtype))
+    mm = lambda a, b: jnp.einsum("etd,edx->etx", a, b, preferred_element_type=jnp.float32)
+    xs = xs[: E * T].reshape(E, T, -1)
+    h = glu(mm(xs, p.w1).astype(p.w1.dtype), mm(xs, p.w3).astype(p.w3.dtype), cfg)
+    y = mm(h, p.w2).reshape(E * T, -1)
+    return jnp.concatenate([y, jnp.zeros_like(y[:1])])[slot]
 
 
 def _combine(y, w, order, local, T: int, k: int):

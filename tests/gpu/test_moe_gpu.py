@@ -1,0 +1,62 @@
+"""The routed experts' grouped matmul on the GPU (`moe.routed_experts`) in both forms of
+`moe.GROUPED_MATMUL`: "ragged" (`jax.lax.ragged_dot`, which XLA's GPU backend lowers as a zero-padded dense
+product unless a flag hands it to cuDNN, e.g. `XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true`)
+and "slabs" (batched products over all experts), against a float64 numpy reference that runs every copy
+through its own expert. The same assignment (ids and weights) goes to both, so no router choice
+is involved. Run under each flag set that a benchmark times (`bench/device_calls.sh 16`)."""
+
+import types
+
+import numpy as np
+import pytest
+
+from tests.gpu import require_gpu
+
+require_gpu()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from k3jax.config import preset  # noqa: E402
+from k3jax.model import moe  # noqa: E402
+from tests.reference_model import act  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _reference(cfg, p, z, idx, w):
+    z, w1, w3, w2, w = (np.asarray(a, np.float64) for a in (z, p.w1, p.w3, p.w2, w))
+    idx = np.asarray(idx)
+    y = np.zeros_like(z)
+    for e in np.unique(idx):  # every copy routed to expert e, as one f64 product
+        t, j = np.nonzero(idx == e)
+        y_e = act(cfg, z[t] @ w1[e], z[t] @ w3[e]) @ w2[e]
+        np.add.at(y, t, w[t, j][:, None] * y_e)
+    return y
+
+
+@pytest.mark.parametrize("grouped", ["ragged", "slabs"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 257])
+def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
+    """k3-mini's expert shapes (16 experts, 4 a token), T tokens routed at random with repeats and unused
+    experts; relative error < 1e-2 in bf16 (the weights and inputs rounded to bf16 first, so the
+    reference sees the same values) and < 1e-5 in f32 at "highest" precision (the engine's f32 scope)."""
+    cfg = preset("k3-mini")
+    E, k, Din, inter = cfg.num_experts, cfg.num_experts_per_token, cfg.moe_expert_dim, cfg.moe_intermediate_size
+    dt = jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.PRNGKey(tokens), 5)
+    p = types.SimpleNamespace(w1=(jax.random.normal(ks[0], (E, Din, inter)) / Din**0.5).astype(dt),
+                              w3=(jax.random.normal(ks[1], (E, Din, inter)) / Din**0.5).astype(dt),
+                              w2=(jax.random.normal(ks[2], (E, inter, Din)) / inter**0.5).astype(dt))
+    z = jax.random.normal(ks[3], (tokens, Din)).astype(dt)
+    rng = np.random.default_rng(tokens)
+    idx = jnp.asarray(np.stack([rng.choice(E - 2, k, replace=False) for _ in range(tokens)]), jnp.int32)  # 2 unused
+    w = jax.random.uniform(ks[4], (tokens, k), jnp.float32)
+    monkeypatch.setattr(moe, "GROUPED_MATMUL", grouped)  # read while tracing (a fresh jit below)
+    with jax.default_matmul_precision("highest"):
+        run = jax.jit(lambda ws, z, idx, w: moe.routed_experts(types.SimpleNamespace(**ws), z, idx, w, cfg))
+        got = np.asarray(run(vars(p), z, idx, w), np.float64)
+    want = _reference(cfg, p, z, idx, w)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < (1e-2 if dtype == "bfloat16" else 1e-5), rel
