@@ -204,10 +204,16 @@ def main(argv=None):
                     help="with a --batch-invariant row block: expert blocks per loop step of the mode's routed "
                          "experts (`k3jax.model.moe.EXPERT_GROUP`; 1, the default, one block a step); rows marked "
                          "expert_group")
-    ap.add_argument("--moe-impl", nargs="*", default=["ragged"], choices=["ragged", "slabs"],
+    ap.add_argument("--invariant-experts", nargs="*", default=["blocks"], choices=["blocks", "rounds"],
+                    help="with a --batch-invariant row block: the mode's routed experts "
+                         "(`k3jax.model.moe.INVARIANT_EXPERTS`): blocks = one used expert's block a loop step (the "
+                         "default; --expert-group applies), rounds = every expert's next block a step as one batched "
+                         "product; rows marked invariant_experts")
+    ap.add_argument("--moe-impl", nargs="*", default=["ragged"], choices=["ragged", "slabs", "pallas"],
                     help="outside the batch-invariant mode: the routed experts' grouped matmul "
                          "(`k3jax.model.moe.GROUPED_MATMUL`): ragged = jax.lax.ragged_dot (the default), slabs = "
-                         "three batched products over all experts, T rows an expert; rows marked moe_impl")
+                         "three batched products over all experts, T rows an expert, pallas = the Mosaic GPU "
+                         "grouped-matmul kernel (pallas_kernels/moe.py); rows marked moe_impl")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -227,20 +233,23 @@ def main(argv=None):
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    runs = [(s, impl, lay, fused, bi, eg, mi) for s in shapes for impl in args.impl for lay in args.layouts
+    runs = [(s, impl, lay, fused, bi, ie, eg, mi) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
-            for bi in args.batch_invariant for eg in (args.expert_group if bi else [1])
+            for bi in args.batch_invariant
+            for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
+                           if bi else [("blocks", 1)])
             for mi in (["ragged"] if bi else args.moe_impl)]
     base_cfg = cfg
-    for (kind, B), impl, layout, fused, bi, eg, mi in runs:
+    for (kind, B), impl, layout, fused, bi, ie, eg, mi in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
             "prefill_tokens": B, "impl": impl, "layout": layout, "fused_inputs": fused}
         row["batch_invariant_rows"] = bi
         if bi:
-            row["expert_group"] = eg
+            row["invariant_experts"], row["expert_group"] = ie, eg
         row["moe_impl"] = mi
+        moe_model.INVARIANT_EXPERTS = ie  # read when the step is traced
         moe_model.EXPERT_GROUP = eg  # read when the step is traced
         moe_model.GROUPED_MATMUL = mi  # read when the step is traced
         kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
@@ -275,7 +284,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':6} {'step_ms':>8} {'tok/s':>9}"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)")
     for r in res["results"]:
@@ -283,7 +292,7 @@ def main(argv=None):
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
-              f"{r.get('expert_group', 1):2d} {r.get('moe_impl', 'ragged'):6} "
+              f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'ragged'):7} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")

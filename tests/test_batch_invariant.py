@@ -84,13 +84,15 @@ def test_weight_products_give_a_row_the_same_bits_at_every_row_count(model):
     assert len(rows) >= 5 and all(r["bitwise_equal"] for r in rows), rows
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(group, monkeypatch):
-    """The mode's routed experts (`moe._expert_blocks`: each expert's copies in blocks of R rows, one block
-    or `moe.EXPERT_GROUP` = 3 blocks a loop step) compute what `ragged_dot` does, with groups spanning
-    several blocks and experts left unused, and a token's output row does not change when the step routes
-    more tokens (bit for bit)."""
+@pytest.mark.parametrize("form,group", [("blocks", 1), ("blocks", 3), ("rounds", 1)])
+def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(form, group, monkeypatch):
+    """The mode's routed experts compute what `ragged_dot` does, with groups spanning several blocks and
+    experts left unused, and a token's output row does not change when the step routes more or other
+    tokens (bit for bit): `moe._expert_blocks` (each expert's copies in blocks of R rows, one block or
+    `moe.EXPERT_GROUP` = 3 blocks a loop step) and `moe._expert_rounds` (`INVARIANT_EXPERTS = "rounds"`:
+    every expert's next block a loop step)."""
     monkeypatch.setattr(moe, "EXPERT_GROUP", group)
+    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", form)
     cfg = preset("k3-tiny").replace(dtype="float32")
     p = jax.tree.map(lambda a: a[0], init_params(cfg, 0).moe)
     x = jax.random.normal(jax.random.PRNGKey(2), (37, cfg.hidden_size))
@@ -101,14 +103,20 @@ def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(grou
     with batch_invariant(4):  # 37 x k copies over the experts: several blocks per group
         got = run(z, idx, w)
         few = run(z[:3], idx[:3], w[:3])
+        mid = run(z[20:23], idx[20:23], w[20:23])  # other rows of the blocks, other rounds
     sizes = np.bincount(np.asarray(idx).reshape(-1), minlength=cfg.num_experts)
     assert sizes.max() > 4
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(few), np.asarray(got)[:3])
+    np.testing.assert_array_equal(np.asarray(mid), np.asarray(got)[20:23])
     with batch_invariant(64):  # one block per used expert
         np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(moe, "EXPERT_GROUP", 0)
-    with batch_invariant(4), pytest.raises(ValueError, match="EXPERT_GROUP"):
+    if form == "blocks":
+        with batch_invariant(4), pytest.raises(ValueError, match="EXPERT_GROUP"):
+            routed_experts(p, z, idx, w, cfg)
+    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", "slices")
+    with batch_invariant(4), pytest.raises(ValueError, match="INVARIANT_EXPERTS"):
         routed_experts(p, z, idx, w, cfg)
 
 

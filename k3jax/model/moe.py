@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.model.common import glu, proj, rms_norm, rowwise
+import pallas_kernels.moe as gmm
 from pallas_kernels.dispatch import batch_invariant_rows, block_loop
 
 
@@ -77,7 +78,10 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     R = batch_invariant_rows()
     if R and first_expert is None:
         order = jnp.argsort(flat, stable=True)
-        return _combine(_expert_blocks(p, z, flat, order, k, cfg, R), w, order, None, T, k)
+        if INVARIANT_EXPERTS not in ("blocks", "rounds"):
+            raise ValueError(f"moe.INVARIANT_EXPERTS must be 'blocks' or 'rounds', got {INVARIANT_EXPERTS!r}")
+        form = _expert_blocks if INVARIANT_EXPERTS == "blocks" else _expert_rounds
+        return _combine(form(p, z, flat, order, k, cfg, R), w, order, None, T, k)
     local = None
     if first_expert is not None:
         flat = flat - first_expert
@@ -88,8 +92,10 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     sizes = jnp.bincount(flat, length=E if local is None else E + 1)[:E].astype(jnp.int32)
     if GROUPED_MATMUL == "slabs":
         return _combine(_expert_slabs(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
+    if GROUPED_MATMUL in ("pallas", "pallas_interpret"):
+        return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
     if GROUPED_MATMUL != "ragged":
-        raise ValueError(f"moe.GROUPED_MATMUL must be 'ragged' or 'slabs', got {GROUPED_MATMUL!r}")
+        raise ValueError(f"moe.GROUPED_MATMUL must be one of {GROUPED_MATMULS}, got {GROUPED_MATMUL!r}")
     xs = z[tok].astype(p.w1.dtype)
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
     h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
@@ -100,8 +106,43 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
 # The grouped matmul of the routed experts outside the batch-invariant mode, read while tracing:
 # "ragged" = `jax.lax.ragged_dot` (TPU: a grouped kernel; XLA's GPU backend lowers it as a zero-padded
 # product of every copy with every expert, unless --xla_gpu_experimental_use_ragged_dot_fusion=true
-# hands it to cuDNN); "slabs" = `_expert_slabs`. bench/k3_mini_h200.py --moe-impl times both.
+# hands it to cuDNN); "slabs" = `_expert_slabs`; "pallas" = `_expert_kernel` (the Mosaic GPU grouped matmul
+# of pallas_kernels/moe.py; "pallas_interpret": the same in interpret mode, CPU tests).
+# bench/k3_mini_h200.py --moe-impl times them.
+GROUPED_MATMULS = ("ragged", "slabs", "pallas", "pallas_interpret")
 GROUPED_MATMUL = "ragged"
+
+
+def _block_layout(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int, R: int, NB: int):
+    """Expert-aligned blocks of R rows: each expert's group of copies starts on a block, its last block
+    padded with zero rows. -> (dest [n]: each expert-sorted copy's row, NB * R for a copy routed to no
+    local expert (flat == E); block_e [NB]: each block's expert (E - 1 past the last group); used [1]:
+    the blocks that hold copies)."""
+    e_sorted = flat[order]
+    ec = jnp.minimum(e_sorted, E - 1)
+    padded = -(-sizes // R) * R
+    pend = jnp.cumsum(padded)
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[ec]
+    dest = jnp.where(e_sorted < E, (pend - padded)[ec] + rank, NB * R)
+    block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
+    return dest, block_e.astype(jnp.int32), pend[-1:] // R
+
+
+def _expert_kernel(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, sizes: jax.Array, k: int,
+                   cfg: ModelConfig) -> jax.Array:
+    """The grouped matmul on the Pallas kernel (`pallas_kernels.moe.grouped_matmul`): the copies in
+    expert-aligned blocks of its `BLOCK_ROWS`, at most n / BLOCK_ROWS + min(E, n) blocks (static), of which
+    the kernel computes the used ones: three launches a layer, each expert's weights read once per block.
+    -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
+    n, E = flat.shape[0], p.w1.shape[0]
+    R = gmm.BLOCK_ROWS
+    NB = -(-n // R) + min(E, n)
+    dest, block_e, used = _block_layout(flat, order, sizes, E, R, NB)
+    xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype), mode="drop")
+    mm = lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=GROUPED_MATMUL)
+    h = glu(mm(xs, p.w1).astype(p.w1.dtype), mm(xs, p.w3).astype(p.w3.dtype), cfg)
+    y = mm(h, p.w2)
+    return jnp.concatenate([y, jnp.zeros_like(y[:1])])[dest]
 
 
 def _expert_slabs(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, sizes: jax.Array, k: int,
@@ -142,6 +183,14 @@ def _combine(y, w, order, local, T: int, k: int):
     return out
 
 
+# The batch-invariant mode's routed experts, read while tracing: "blocks" (`_expert_blocks`: one used expert's
+# block of R rows a loop step, its weights sliced out of the stacked ones) or "rounds" (`_expert_rounds`:
+# every expert's next block of R rows a loop step, as one batched product over all the experts' weights,
+# no slicing; ceil(T / R) steps). On an H100 (session 19) the blocks' weight slices were copied each step
+# (dynamic-slice fusions: 6.5 of the mode's 15.2 ms of MoE at batch 64), which rounds avoid.
+INVARIANT_EXPERTS = "blocks"
+
+
 # Expert blocks per loop step in the batch-invariant mode (`_expert_blocks`), read while tracing: 1 runs
 # one [R, Din] product per weight a step; G > 1 runs G blocks' products as one batched product over their
 # G experts' weights (G times fewer steps, each launch-bound at decode; the weights of G experts are
@@ -162,19 +211,14 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     costs an expert's weight read. -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the
     ragged form returns."""
     n, E = flat.shape[0], p.w1.shape[0]
-    e_sorted = flat[order]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    padded = -(-sizes // R) * R
-    pend = jnp.cumsum(padded)
-    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]
-    dest = (pend - padded)[e_sorted] + rank  # each sorted copy's row in the block layout
     G = EXPERT_GROUP
     if G < 1:
         raise ValueError(f"moe.EXPERT_GROUP must be >= 1, got {G}")
     bound = -(-n // R) + min(E, n)  # on the blocks: sum_e ceil(n_e / R) < n / R + (experts used)
     NB = -(-bound // G) * G  # rounded up to whole groups
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    dest, block_e, _ = _block_layout(flat, order, sizes, E, R, NB)
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
-    block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
     # one block a step, or G blocks as one batched product per weight over their G experts' weights
     sub = "rd,dx->rx" if G == 1 else "grd,gdx->grx"
     mm = lambda a, b: jnp.einsum(sub, a, b, preferred_element_type=jnp.float32)
@@ -186,6 +230,34 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     lead = (NB,) if G == 1 else (NB // G, G)
     y = block_loop(block, block_e.reshape(lead), xs.reshape(*lead, R, -1))
     return y.reshape(NB * R, -1)[dest]
+
+
+def _expert_rounds(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, k: int, cfg: ModelConfig,
+                   R: int) -> jax.Array:
+    """The batch-invariant grouped matmul by rounds: an expert's copies, in order, fill its blocks of R rows
+    (copy j of expert e sits in round j // R, row j % R), and each step of `block_loop` runs one round
+    through every expert's GLU as one batched product [E, R, Din] x [E, Din, X] per weight. A token picks
+    an expert at most once, so ceil(T / R) rounds always suffice (one for a decode step of up to R
+    tokens). Every round has the same shapes whatever the step, and a batched product computes each
+    expert's block on its own, so a copy's row cannot depend on the other tokens. The weights are used
+    whole (no per-expert slice); the cost is E blocks of R rows a round, used or not: E / k times the
+    routed rows when T >> R, fine for few experts (k3-mini: 16), not for K3's 384.
+    -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
+    n, E = flat.shape[0], p.w1.shape[0]
+    T = n // k
+    NR = -(-T // R)
+    e_sorted = flat[order]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]  # < T
+    dest = ((rank // R) * E + e_sorted) * R + rank % R  # [round, expert, row]
+    xs = jnp.zeros((NR * E * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
+    mm = lambda a, b: jnp.einsum("erd,edx->erx", a, b, preferred_element_type=jnp.float32)
+
+    def one_round(xb):
+        return mm(glu(mm(xb, p.w1).astype(p.w1.dtype), mm(xb, p.w3).astype(p.w3.dtype), cfg), p.w2)
+
+    y = block_loop(one_round, xs.reshape(NR, E, R, -1))
+    return y.reshape(NR * E * R, -1)[dest]
 
 
 def moe_ffn(p: MoEParams, x: jax.Array, cfg: ModelConfig, shard=None) -> jax.Array:

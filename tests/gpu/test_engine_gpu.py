@@ -174,18 +174,22 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     assert got == want, json.dumps(parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want))
 
 
+@pytest.mark.parametrize("experts", ["blocks", "rounds"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
-def test_batch_invariant_mode_on_kernels(model, impl):
+def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
     128) on the GPU (passes on an H100 on both paths since session 18's `dispatch.block_loop`; before it,
     the mixed step's rows moved by ~1.7e-5): a sequence's next-token logit row is bit for bit the same in a decode step, a decode
     step of a 4x larger bucket, a mixed step and a verify block, and each verify row equals the decode
     step of its token (bench/batch_invariance.py's `step_rows`, as tests/test_batch_invariant.py checks on
-    the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode."""
+    the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode. With both
+    forms of the mode's routed experts (`moe.INVARIANT_EXPERTS`; "rounds" since session 19)."""
     from bench.batch_invariance import parted_requests, step_rows
     from k3jax.config import BATCH_INVARIANT_ROWS
+    from k3jax.model import moe
 
-    m = dataclasses.replace(model, impl=impl)
+    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts)  # read while tracing: a fresh model name below
+    m = dataclasses.replace(model, impl=impl, config=model.config.replace(name=f"{model.config.name}-{experts}"))
     inv = dataclasses.replace(m, config=m.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
     r = step_rows(inv, prompt_len=100, gamma=4, seed=0)
     assert r["mixed_bitwise_equal"] and r["wide_bitwise_equal"] and r["verify_bitwise_equal"], r

@@ -1,10 +1,12 @@
-"""The routed experts' grouped matmul on the GPU (`moe.routed_experts`) in both forms of
+"""The routed experts' grouped matmul on the GPU (`moe.routed_experts`) in every form of
 `moe.GROUPED_MATMUL`: "ragged" (`jax.lax.ragged_dot`, which XLA's GPU backend lowers as a zero-padded dense
-product unless a flag hands it to cuDNN, e.g. `XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true`)
-and "slabs" (batched products over all experts), against a float64 numpy reference that runs every copy
-through its own expert. The same assignment (ids and weights) goes to both, so no router choice
-is involved. Run under each flag set that a benchmark times (`bench/device_calls.sh 16`)."""
+product unless a flag hands it to cuDNN, e.g. `XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true`),
+"slabs" (batched products over all experts) and "pallas" (the Mosaic GPU grouped matmul of
+pallas_kernels/moe.py; bf16 only: f32 goes through its jnp reference), against a float64 numpy reference that
+runs every copy through its own expert. The same assignment (ids and weights) goes to all, so no router
+choice is involved. Run under each flag set that a benchmark times (`bench/device_calls.sh 16`)."""
 
+import functools
 import types
 
 import numpy as np
@@ -34,13 +36,10 @@ def _reference(cfg, p, z, idx, w):
     return y
 
 
-@pytest.mark.parametrize("grouped", ["ragged", "slabs"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("tokens", [1, 7, 64, 257])
-def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
-    """k3-mini's expert shapes (16 experts, 4 a token), T tokens routed at random with repeats and unused
-    experts; relative error < 1e-2 in bf16 (the weights and inputs rounded to bf16 first, so the
-    reference sees the same values) and < 1e-5 in f32 at "highest" precision (the engine's f32 scope)."""
+@functools.lru_cache(maxsize=1)  # the cases run grouped by (tokens, dtype): one case's arrays at a time
+def _case(tokens, dtype):
+    """k3-mini's expert shapes, random weights and inputs, T tokens routed at random (k distinct experts a
+    token, two experts unused), and the float64 result."""
     cfg = preset("k3-mini")
     E, k, Din, inter = cfg.num_experts, cfg.num_experts_per_token, cfg.moe_expert_dim, cfg.moe_intermediate_size
     dt = jnp.dtype(dtype)
@@ -50,13 +49,22 @@ def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
                               w2=(jax.random.normal(ks[2], (E, inter, Din)) / inter**0.5).astype(dt))
     z = jax.random.normal(ks[3], (tokens, Din)).astype(dt)
     rng = np.random.default_rng(tokens)
-    idx = jnp.asarray(np.stack([rng.choice(E - 2, k, replace=False) for _ in range(tokens)]), jnp.int32)  # 2 unused
+    idx = jnp.asarray(np.stack([rng.choice(E - 2, k, replace=False) for _ in range(tokens)]), jnp.int32)
     w = jax.random.uniform(ks[4], (tokens, k), jnp.float32)
+    return cfg, p, z, idx, w, _reference(cfg, p, z, idx, w)
+
+
+@pytest.mark.parametrize("tokens,dtype,grouped", [(t, d, g) for t in (1, 7, 64, 257) for d in ("bfloat16", "float32")
+                                                  for g in moe.GROUPED_MATMULS if g != "pallas_interpret"])
+def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
+    """k3-mini's expert shapes (16 experts, 4 a token) and T tokens: relative error < 1e-2 in bf16 (the
+    weights and inputs rounded to bf16 first, so the reference sees the same values) and < 1e-5 in f32 at
+    "highest" precision (the engine's f32 scope), in every form of `moe.GROUPED_MATMUL`."""
+    cfg, p, z, idx, w, want = _case(tokens, dtype)
     monkeypatch.setattr(moe, "GROUPED_MATMUL", grouped)  # read while tracing (a fresh jit below)
     with jax.default_matmul_precision("highest"):
         run = jax.jit(lambda ws, z, idx, w: moe.routed_experts(types.SimpleNamespace(**ws), z, idx, w, cfg))
         got = np.asarray(run(vars(p), z, idx, w), np.float64)
-    want = _reference(cfg, p, z, idx, w)
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < (1e-2 if dtype == "bfloat16" else 1e-5), rel

@@ -1,0 +1,129 @@
+"""The routed experts' grouped matmul over expert-aligned row blocks, as a Pallas Mosaic GPU kernel.
+
+`grouped_matmul(x, w, block_expert, used_blocks, *, impl)`:
+- x `[NB * BLOCK_ROWS, K]`: the token copies sorted by expert, each expert's group starting on a block of
+  `BLOCK_ROWS` rows (its last block padded with zero rows), so every block belongs to one expert;
+- w `[E, K, N]`: the experts' weights;
+- block_expert `[NB]` int32: each block's expert;
+- used_blocks `[1]` int32: blocks from this one on hold no copies and are not computed (their output rows
+  are undefined: the caller never reads them; the bound NB is static, the count is not).
+Returns `[NB * BLOCK_ROWS, N]` f32.
+
+Why a kernel: XLA's GPU backend lowers `jax.lax.ragged_dot` as a zero-padded product of every row with
+every expert (E times the work) unless cuDNN takes it, and a loop over the blocks launches a GEMM (and
+copies a weight slice) per block. Here one launch per weight reads each used expert's weights once per
+block and skips the unused blocks on the device. Each output tile is computed by one CTA from its own
+block's rows with a fixed reduction order over K, whatever the other blocks hold.
+
+impl: "xla" (`grouped_matmul_ref`: each block against its expert's gathered weights), "pallas" (Mosaic GPU,
+sm_90: one CTA per (block, N tile), K in steps of `BK` double-buffered by TMA, wgmma into an f32
+accumulator), "pallas_interpret" (the same kernel in Mosaic GPU interpret mode, CPU tests).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.dispatch import resolve_impl
+
+BLOCK_ROWS = 64  # one wgmma's M: the rows a block (and a CTA) holds
+BK = 64  # K step: a [64, 64] bf16 A tile and a [64, BN] B tile a stage (128-byte swizzled rows)
+
+
+def grouped_matmul_ref(x, w, block_expert, used_blocks):
+    NB = block_expert.shape[0]
+    y = jnp.einsum("brk,bkn->brn", x.reshape(NB, BLOCK_ROWS, -1), w[block_expert], preferred_element_type=jnp.float32)
+    live = (jnp.arange(NB) < used_blocks[0])[:, None, None]
+    return jnp.where(live, y, 0.0).reshape(NB * BLOCK_ROWS, -1)
+
+
+def _tile_cols(NB: int, N: int) -> int:
+    """N tile: 128 columns, or 64 where the grid would be under two CTAs per SM at 128 (a decode step's
+    few blocks: more CTAs stream the weights)."""
+    return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * 132 else 64
+
+
+def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret: bool):
+    from pallas_kernels.kda.mgpu import WGMMA, _bf16_tiled, _gpu_interpret_params
+
+    M, K = x.shape
+    N = w.shape[-1]
+    NB, nk = M // BLOCK_ROWS, K // BK
+    f32 = jnp.float32
+    tiled = (lambda cols: {}) if interpret else _bf16_tiled
+
+    def kernel(x_ref, w_ref, be_ref, nb_ref, y_ref, x_s, w_s, o_s, bar):
+        b = lax.axis_index("blk")
+        n0 = lax.axis_index("ntile") * bn
+        e = be_ref[b]
+        rows = pl.ds(b * BLOCK_ROWS, BLOCK_ROWS)
+
+        @pl.when(b < nb_ref[0])
+        def _():
+            def issue(kk, slot):
+                plgpu.copy_gmem_to_smem(x_ref.at[rows, pl.ds(kk * BK, BK)], x_s.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(kk * BK, BK), pl.ds(n0, bn)], w_s.at[slot], bar.at[slot])
+
+            issue(0, 0)
+
+            def body(kk, acc):
+                slot = lax.rem(kk, 2)
+
+                @pl.when(kk + 1 < nk)  # the other stage's operands were read by the last step's wgmma,
+                def _():  # which returned (its accumulator was read) before this step began
+                    issue(kk + 1, 1 - slot)
+
+                plgpu.barrier_wait(bar.at[slot])
+                if interpret:
+                    return acc + jnp.dot(x_s[slot], w_s[slot], preferred_element_type=f32)
+
+                def mm(a):
+                    plgpu.wgmma(a, x_s.at[slot], w_s.at[slot])
+
+                return pl.run_state(mm)(plgpu.ACC.init(acc))
+
+            zero = jnp.zeros((BLOCK_ROWS, bn), f32)
+            acc = lax.fori_loop(0, nk, body, zero if interpret else plgpu.layout_cast(zero, WGMMA))
+            o_s[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, y_ref.at[rows, pl.ds(n0, bn)])
+            plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((M, N), f32),
+        grid=(NB, N // bn),
+        grid_names=("blk", "ntile"),
+        scratch_types=[
+            plgpu.SMEM((2, BLOCK_ROWS, BK), x.dtype, **tiled(BK)),
+            plgpu.SMEM((2, BK, bn), w.dtype, **tiled(bn)),
+            plgpu.SMEM((BLOCK_ROWS, bn), f32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name="moe_grouped_matmul_mgpu",
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+    )
+    return f(x, w, block_expert, used_blocks)
+
+
+def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: int | None = None):
+    """See the module docstring. x and w bf16 for the kernel (f32 goes through the reference)."""
+    M, K = x.shape
+    E, K2, N = w.shape
+    NB = block_expert.shape[0]
+    if K2 != K or M != NB * BLOCK_ROWS or used_blocks.shape != (1,):
+        raise ValueError(f"grouped_matmul: x {x.shape}, w {w.shape}, block_expert {block_expert.shape} and "
+                         f"used_blocks {used_blocks.shape} do not fit (x rows = {BLOCK_ROWS} x blocks, used_blocks [1])")
+    impl = resolve_impl(impl, "moe_grouped_matmul")
+    if impl == "xla" or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        return grouped_matmul_ref(x, w, block_expert, used_blocks)
+    bn = bn or _tile_cols(NB, N)
+    if K % BK or N % bn:
+        raise ValueError(f"grouped_matmul: K = {K} must be a multiple of {BK} and N = {N} of {bn}")
+    return _grouped_matmul_mgpu(x, w, block_expert.astype(jnp.int32), used_blocks.astype(jnp.int32), bn=bn,
+                                interpret=impl == "pallas_interpret")
