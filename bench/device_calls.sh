@@ -67,8 +67,8 @@ calls() {
    dense product (the k3-mini profile, session 4: moe_experts 2.2 of 3.7 ms at batch 1; at 64 and 256 the
    cuBLAS kernels filed under "other", 2.6 and 10.8 ms), against `moe.GROUPED_MATMUL = "slabs"` (batched
    products over all experts, T rows each), "pallas" (the Mosaic GPU grouped-matmul kernel,
-   pallas_kernels/moe.py: one CTA per (64-row expert block, N tile), unused blocks skipped; never run on a
-   GPU before this call) and ragged_dot under XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true
+   pallas_kernels/moe.py: one CTA per (64-row expert block, N tile), unused blocks skipped; first run on a
+   GPU in call 18) and ragged_dot under XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true
    (cuDNN's grouped GEMM): tests/gpu/test_moe_gpu.py (every form against float64; the ragged cases again
    under the flag), then k3-mini decode at batch 1, 64 and 256: ragged, slabs and pallas without the flag,
    ragged with it (~8 min) -> tests.txt, tests_rd.txt, k3_mini_ragged0.json, k3_mini_ragged1.json.
@@ -76,7 +76,9 @@ calls() {
    at 256 (1/4 of the dense form's products); pallas at or below ragged everywhere, reading only the used
    experts at batch 1 (moe ~1 ms, not ~2.8); the flag's ragged_dot level with pallas if cuDNN has a plan
    for these shapes (else the flagged runs fail at compile). Rule: the fastest form that passes its tests
-   at every batch becomes the GPU default (`GROUPED_MATMUL`, or the flag set by the engine on GPUs)
+   at every batch becomes the GPU default (`GROUPED_MATMUL`, or the flag set by the engine on GPUs).
+   Session 19's call 18 (H100) already made the kernel the default ("auto"); this call re-times it on the
+   H200 and decides between it and cuDNN's
 17 the mode's routed experts by rounds (`moe.INVARIANT_EXPERTS = "rounds"`: every expert's next block of 128
    rows a loop step as one batched product over the whole weights; "blocks", the default, slices one used
    expert's weights a step, and call 14's profile put 6.5 of the mode's 15.2 ms of MoE at batch 64 in
@@ -85,6 +87,10 @@ calls() {
    k3_mini_rounds.json. Prediction: the four cases pass; rounds cut the mode's moe_ms at batch 64 from
    ~15 to ~3 ms (all 16 experts' weights read once a layer: 7.4 GB a step) and at batch 1 from ~5 to
    ~2.5-3. Rule: rounds becomes the mode's default if it passes and is faster at both batches
+18 call 16 cut to a short budget: the grouped-matmul kernel's first GPU run (tests/gpu/test_moe_gpu.py's
+   bf16 "pallas" cases), then k3-mini decode at batch 1 and 64 with ragged and pallas (~3 min) -> tests.txt,
+   k3_mini_moe.json. Ran in session 19 (H100): the tests pass; 5.01 -> 3.76 ms at batch 1, 7.06 -> 6.10 at
+   64 (and, run by hand after it, 17.59 -> 10.69 at 256): the kernel is the GPU default since then
 EOF
 }
 
@@ -219,7 +225,7 @@ case "$1" in
     step k3_mini_ragged0 timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
         --moe-impl ragged slabs pallas --iters 10 --out "$OUT/k3_mini_ragged0.json"
     step k3_mini_ragged1 env XLA_FLAGS="$RD" timeout 90 python3 bench/k3_mini_h200.py --batch 1 64 256 \
-        --impl pallas --layouts split --iters 10 --out "$OUT/k3_mini_ragged1.json"
+        --impl pallas --layouts split --moe-impl ragged --iters 10 --out "$OUT/k3_mini_ragged1.json"
     ;;
 17)
     step tests timeout 330 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 4 -rfEX \
@@ -227,6 +233,13 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step k3_mini_rounds timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-experts blocks rounds --iters 10 --out "$OUT/k3_mini_rounds.json"
+    ;;
+18)
+    step tests timeout 90 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX \
+        -k "pallas and bfloat16"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step k3_mini_moe timeout 100 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --moe-impl ragged pallas --iters 10 --out "$OUT/k3_mini_moe.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

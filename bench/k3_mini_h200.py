@@ -136,6 +136,10 @@ def _event_op(e, scopes):
     return (e.get("args") or {}).get("hlo_op") or name
 
 
+# Mosaic GPU kernels by a part of their kernel_name -> (layer type, scope) in the breakdown
+_MOSAIC_KERNELS = {"kda": ("kda", "kda_core"), "moe_grouped_matmul": ("moe", "moe_experts")}
+
+
 def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
     """Runs `run()` `steps` times under the profiler; -> {layer type: ms per step, ...}."""
     events = device_events(run, steps, device)
@@ -155,8 +159,9 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
         dur = e["dur"] / 1e3 / steps  # us -> ms per step
         total += dur
         by_kernel[e["name"][:60]] += dur
-        if op not in scopes and ("kda" in op or "kda" in e["name"]):  # Mosaic GPU kernels carry their kernel_name
-            kind, sub = "kda", "kda_core"
+        named = _MOSAIC_KERNELS.get(next((n for n in _MOSAIC_KERNELS if n in op or n in e["name"]), None))
+        if op not in scopes and named:  # Mosaic GPU kernels carry their kernel_name, not a scope
+            kind, sub = named
         else:
             if op not in scopes:
                 unmatched += dur
@@ -169,7 +174,7 @@ def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):
     unmatched_kernels = collections.Counter()
     for e in events:
         op = _event_op(e, scopes)
-        if op not in scopes and "kda" not in op:
+        if op not in scopes and not any(n in op or n in e["name"] for n in _MOSAIC_KERNELS):
             unmatched_kernels[e["name"][:80]] += e["dur"] / 1e3 / steps
     return {
         "method": "jax.profiler perfetto trace: GPU kernel events -> hlo_op -> named_scope (op_name metadata)",
@@ -209,11 +214,12 @@ def main(argv=None):
                          "(`k3jax.model.moe.INVARIANT_EXPERTS`): blocks = one used expert's block a loop step (the "
                          "default; --expert-group applies), rounds = every expert's next block a step as one batched "
                          "product; rows marked invariant_experts")
-    ap.add_argument("--moe-impl", nargs="*", default=["ragged"], choices=["ragged", "slabs", "pallas"],
+    ap.add_argument("--moe-impl", nargs="*", default=["auto"], choices=["auto", "ragged", "slabs", "pallas"],
                     help="outside the batch-invariant mode: the routed experts' grouped matmul "
-                         "(`k3jax.model.moe.GROUPED_MATMUL`): ragged = jax.lax.ragged_dot (the default), slabs = "
-                         "three batched products over all experts, T rows an expert, pallas = the Mosaic GPU "
-                         "grouped-matmul kernel (pallas_kernels/moe.py); rows marked moe_impl")
+                         "(`k3jax.model.moe.GROUPED_MATMUL`): auto = the default (the Mosaic GPU kernel on a Hopper "
+                         "GPU for bf16 weights, else ragged), ragged = jax.lax.ragged_dot, slabs = three batched "
+                         "products over all experts (T rows an expert), pallas = the Mosaic GPU grouped-matmul "
+                         "kernel (pallas_kernels/moe.py); rows marked moe_impl")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -238,7 +244,7 @@ def main(argv=None):
             for bi in args.batch_invariant
             for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
                            if bi else [("blocks", 1)])
-            for mi in (["ragged"] if bi else args.moe_impl)]
+            for mi in (["auto"] if bi else args.moe_impl)]
     base_cfg = cfg
     for (kind, B), impl, layout, fused, bi, ie, eg, mi in runs:
         params = layouts[layout]
@@ -292,7 +298,7 @@ def main(argv=None):
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
-              f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'ragged'):7} "
+              f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")

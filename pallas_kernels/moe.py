@@ -41,6 +41,11 @@ def grouped_matmul_ref(x, w, block_expert, used_blocks):
     return jnp.where(live, y, 0.0).reshape(NB * BLOCK_ROWS, -1)
 
 
+def tiles(K: int, N: int) -> bool:
+    """Whether the kernel takes a [K, N] weight (else `grouped_matmul` raises)."""
+    return K % BK == 0 and N % 64 == 0
+
+
 def _tile_cols(NB: int, N: int) -> int:
     """N tile: 128 columns, or 64 where the grid would be under two CTAs per SM at 128 (a decode step's
     few blocks: more CTAs stream the weights)."""
@@ -123,7 +128,7 @@ def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: in
     if impl == "xla" or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return grouped_matmul_ref(x, w, block_expert, used_blocks)
     bn = bn or _tile_cols(NB, N)
-    if K % BK or N % bn:
+    if not tiles(K, N) or N % bn:
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of {BK} and N = {N} of {bn}")
     return _grouped_matmul_mgpu(x, w, block_expert.astype(jnp.int32), used_blocks.astype(jnp.int32), bn=bn,
                                 interpret=impl == "pallas_interpret")

@@ -110,3 +110,21 @@ def test_grouped_matmul_kernel_lowers_for_cuda():
     k = cfg.num_experts_per_token
     text = export(layer, ws, sd((64, Din), bf), sd((64, k), jnp.int32), sd((64, k), jnp.float32))
     assert text.count("mosaic_gpu") >= 3
+
+
+def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """`GROUPED_MATMUL = "auto"` (the default): `ragged_dot` on the CPU; with the kernel available (a Hopper
+    GPU, faked here) the kernel for bf16 weights it tiles on one device, `ragged_dot` for f32 weights, for
+    widths it does not tile and for expert-parallel shards."""
+    cfg = preset("k3-tiny").replace(dtype="bfloat16")
+    p = jax.tree.map(lambda a: a[0], init_params(cfg, 0).moe)
+    assert moe.GROUPED_MATMUL == "auto" and moe.grouped_matmul_form(p) == "ragged"
+    monkeypatch.setattr(moe, "resolve_impl", lambda impl, op: "pallas" if op == "moe_grouped_matmul" else "xla")
+    assert moe.grouped_matmul_form(p) == "pallas"
+    assert moe.grouped_matmul_form(p, first_expert=jnp.int32(0)) == "ragged"
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    assert moe.grouped_matmul_form(f32) == "ragged"
+    odd = dataclasses.replace(p, w1=p.w1[:, :, :96], w3=p.w3[:, :, :96], w2=p.w2[:, :96])
+    assert moe.grouped_matmul_form(odd) == "ragged"
+    monkeypatch.setattr(moe, "GROUPED_MATMUL", "slabs")
+    assert moe.grouped_matmul_form(p) == "slabs"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.model.common import glu, proj, rms_norm, rowwise
 import pallas_kernels.moe as gmm
-from pallas_kernels.dispatch import batch_invariant_rows, block_loop
+from pallas_kernels.dispatch import batch_invariant_rows, block_loop, resolve_impl
 
 
 @jax.tree_util.register_dataclass
@@ -90,12 +90,11 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     order = jnp.argsort(flat, stable=True)
     tok = order // k
     sizes = jnp.bincount(flat, length=E if local is None else E + 1)[:E].astype(jnp.int32)
-    if GROUPED_MATMUL == "slabs":
+    form = grouped_matmul_form(p, first_expert)
+    if form == "slabs":
         return _combine(_expert_slabs(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
-    if GROUPED_MATMUL in ("pallas", "pallas_interpret"):
-        return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
-    if GROUPED_MATMUL != "ragged":
-        raise ValueError(f"moe.GROUPED_MATMUL must be one of {GROUPED_MATMULS}, got {GROUPED_MATMUL!r}")
+    if form in ("pallas", "pallas_interpret"):
+        return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, form), w, order, local, T, k)
     xs = z[tok].astype(p.w1.dtype)
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
     h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
@@ -107,10 +106,25 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
 # "ragged" = `jax.lax.ragged_dot` (TPU: a grouped kernel; XLA's GPU backend lowers it as a zero-padded
 # product of every copy with every expert, unless --xla_gpu_experimental_use_ragged_dot_fusion=true
 # hands it to cuDNN); "slabs" = `_expert_slabs`; "pallas" = `_expert_kernel` (the Mosaic GPU grouped matmul
-# of pallas_kernels/moe.py; "pallas_interpret": the same in interpret mode, CPU tests).
-# bench/k3_mini_h200.py --moe-impl times them.
-GROUPED_MATMULS = ("ragged", "slabs", "pallas", "pallas_interpret")
-GROUPED_MATMUL = "ragged"
+# of pallas_kernels/moe.py; "pallas_interpret": the same in interpret mode, CPU tests); "auto" (the
+# default) = "pallas" where `grouped_matmul_form` says the kernel applies, else "ragged".
+# bench/k3_mini_h200.py --moe-impl times them (session 19, H100, k3-mini decode step: ragged 5.27 / 7.08 /
+# 17.6 ms at batch 1 / 64 / 256, slabs 5.08 / 6.68 / 11.7, pallas 3.79 / 5.96 / 10.7).
+GROUPED_MATMULS = ("auto", "ragged", "slabs", "pallas", "pallas_interpret")
+GROUPED_MATMUL = "auto"
+
+
+def grouped_matmul_form(p: MoEParams, first_expert=None) -> str:
+    """The form `routed_experts` runs (`GROUPED_MATMUL`, with "auto" resolved): "auto" takes the Mosaic GPU
+    kernel on a Hopper GPU (`dispatch.resolve_impl`, `GPU_KERNELS`) for bf16 weights whose widths it tiles,
+    on one device (expert-parallel shards keep `ragged_dot`: the kernel has not run under a mesh yet)."""
+    if GROUPED_MATMUL not in GROUPED_MATMULS:
+        raise ValueError(f"moe.GROUPED_MATMUL must be one of {GROUPED_MATMULS}, got {GROUPED_MATMUL!r}")
+    if GROUPED_MATMUL != "auto":
+        return GROUPED_MATMUL
+    fits = (first_expert is None and all(a.dtype == jnp.bfloat16 for a in (p.w1, p.w3, p.w2))
+            and gmm.tiles(*p.w1.shape[1:]) and gmm.tiles(*p.w2.shape[1:]))
+    return "pallas" if fits and resolve_impl("auto", "moe_grouped_matmul") == "pallas" else "ragged"
 
 
 def _block_layout(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int, R: int, NB: int):
@@ -129,7 +143,7 @@ def _block_layout(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int, R
 
 
 def _expert_kernel(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, sizes: jax.Array, k: int,
-                   cfg: ModelConfig) -> jax.Array:
+                   cfg: ModelConfig, impl: str) -> jax.Array:
     """The grouped matmul on the Pallas kernel (`pallas_kernels.moe.grouped_matmul`): the copies in
     expert-aligned blocks of its `BLOCK_ROWS`, at most n / BLOCK_ROWS + min(E, n) blocks (static), of which
     the kernel computes the used ones: three launches a layer, each expert's weights read once per block.
@@ -139,7 +153,7 @@ def _expert_kernel(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     NB = -(-n // R) + min(E, n)
     dest, block_e, used = _block_layout(flat, order, sizes, E, R, NB)
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype), mode="drop")
-    mm = lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=GROUPED_MATMUL)
+    mm = lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=impl)
     h = glu(mm(xs, p.w1).astype(p.w1.dtype), mm(xs, p.w3).astype(p.w3.dtype), cfg)
     y = mm(h, p.w2)
     return jnp.concatenate([y, jnp.zeros_like(y[:1])])[dest]
