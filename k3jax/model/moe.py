@@ -95,11 +95,22 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
         return _combine(_expert_slabs(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
     if form in ("pallas", "pallas_interpret"):
         return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, form), w, order, local, T, k)
-    xs = z[tok].astype(p.w1.dtype)
-    rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32).astype(b.dtype)
-    h = glu(rd(xs, p.w1), rd(xs, p.w3), cfg)
-    y = jax.lax.ragged_dot(h, p.w2, sizes, preferred_element_type=jnp.float32)
-    return _combine(y, w, order, local, T, k)
+    rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+    return _combine(_glu_products(rd, z[tok].astype(p.w1.dtype), p.w1, p.w3, p.w2, cfg), w, order, local, T, k)
+
+
+def _glu_products(mm, x, w1, w3, w2, cfg: ModelConfig) -> jax.Array:
+    """The experts' GLU through a product `mm(a, b)` (f32 out) of every form: mm(glu(x w1, x w3), w2), the
+    gate and up products rounded to the weights' dtype first."""
+    return mm(glu(mm(x, w1).astype(w1.dtype), mm(x, w3).astype(w3.dtype), cfg), w2)
+
+
+def _expert_ranks(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int):
+    """-> (e_sorted: each expert-sorted copy's expert, E for a copy routed to no local expert; rank: its
+    index within its expert's group)."""
+    e_sorted = flat[order]
+    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[jnp.minimum(e_sorted, E - 1)]
+    return e_sorted, rank
 
 
 # The grouped matmul of the routed experts outside the batch-invariant mode, read while tracing:
@@ -132,12 +143,10 @@ def _block_layout(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int, R
     padded with zero rows. -> (dest [n]: each expert-sorted copy's row, NB * R for a copy routed to no
     local expert (flat == E); block_e [NB]: each block's expert (E - 1 past the last group); used [1]:
     the blocks that hold copies)."""
-    e_sorted = flat[order]
-    ec = jnp.minimum(e_sorted, E - 1)
+    e_sorted, rank = _expert_ranks(flat, order, sizes, E)
     padded = -(-sizes // R) * R
     pend = jnp.cumsum(padded)
-    rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[ec]
-    dest = jnp.where(e_sorted < E, (pend - padded)[ec] + rank, NB * R)
+    dest = jnp.where(e_sorted < E, (pend - padded)[jnp.minimum(e_sorted, E - 1)] + rank, NB * R)
     block_e = jnp.minimum(jnp.searchsorted(pend, jnp.arange(NB, dtype=jnp.int32) * R, side="right"), E - 1)
     return dest, block_e.astype(jnp.int32), pend[-1:] // R
 
@@ -153,9 +162,7 @@ def _expert_kernel(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     NB = -(-n // R) + min(E, n)
     dest, block_e, used = _block_layout(flat, order, sizes, E, R, NB)
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype), mode="drop")
-    mm = lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=impl)
-    h = glu(mm(xs, p.w1).astype(p.w1.dtype), mm(xs, p.w3).astype(p.w3.dtype), cfg)
-    y = mm(h, p.w2)
+    y = _glu_products(lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=impl), xs, p.w1, p.w3, p.w2, cfg)
     return jnp.concatenate([y, jnp.zeros_like(y[:1])])[dest]
 
 
@@ -169,15 +176,11 @@ def _expert_slabs(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array,
     -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
     n, E = flat.shape[0], p.w1.shape[0]
     T = n // k
-    e_sorted = flat[order]
-    starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.arange(n, dtype=jnp.int32) - starts[jnp.minimum(e_sorted, E - 1)]
+    e_sorted, rank = _expert_ranks(flat, order, sizes, E)
     slot = jnp.where(e_sorted < E, e_sorted * T + rank, E * T)
     xs = jnp.zeros((E * T + 1, z.shape[-1]), p.w1.dtype).at[slot].set(z[order // k].astype(p.w1.dtype))
     mm = lambda a, b: jnp.einsum("etd,edx->etx", a, b, preferred_element_type=jnp.float32)
-    xs = xs[: E * T].reshape(E, T, -1)
-    h = glu(mm(xs, p.w1).astype(p.w1.dtype), mm(xs, p.w3).astype(p.w3.dtype), cfg)
-    y = mm(h, p.w2).reshape(E * T, -1)
+    y = _glu_products(mm, xs[: E * T].reshape(E, T, -1), p.w1, p.w3, p.w2, cfg).reshape(E * T, -1)
     return jnp.concatenate([y, jnp.zeros_like(y[:1])])[slot]
 
 
@@ -238,8 +241,7 @@ def _expert_blocks(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     mm = lambda a, b: jnp.einsum(sub, a, b, preferred_element_type=jnp.float32)
 
     def block(e, xb):
-        w1, w3, w2 = p.w1[e], p.w3[e], p.w2[e]
-        return mm(glu(mm(xb, w1).astype(w1.dtype), mm(xb, w3).astype(w3.dtype), cfg), w2)
+        return _glu_products(mm, xb, p.w1[e], p.w3[e], p.w2[e], cfg)
 
     lead = (NB,) if G == 1 else (NB // G, G)
     y = block_loop(block, block_e.reshape(lead), xs.reshape(*lead, R, -1))
@@ -260,17 +262,12 @@ def _expert_rounds(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array
     n, E = flat.shape[0], p.w1.shape[0]
     T = n // k
     NR = -(-T // R)
-    e_sorted = flat[order]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[e_sorted]  # < T
+    e_sorted, rank = _expert_ranks(flat, order, jnp.bincount(flat, length=E).astype(jnp.int32), E)  # rank < T
     dest = ((rank // R) * E + e_sorted) * R + rank % R  # [round, expert, row]
     xs = jnp.zeros((NR * E * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype))
     mm = lambda a, b: jnp.einsum("erd,edx->erx", a, b, preferred_element_type=jnp.float32)
 
-    def one_round(xb):
-        return mm(glu(mm(xb, p.w1).astype(p.w1.dtype), mm(xb, p.w3).astype(p.w3.dtype), cfg), p.w2)
-
-    y = block_loop(one_round, xs.reshape(NR, E, R, -1))
+    y = block_loop(lambda xb: _glu_products(mm, xb, p.w1, p.w3, p.w2, cfg), xs.reshape(NR, E, R, -1))
     return y.reshape(NR * E * R, -1)[dest]
 
 
