@@ -91,6 +91,11 @@ calls() {
    bf16 "pallas" cases), then k3-mini decode at batch 1 and 64 with ragged and pallas (~3 min) -> tests.txt,
    k3_mini_moe.json. Ran in session 19 (H100): the tests pass; 5.01 -> 3.76 ms at batch 1, 7.06 -> 6.10 at
    64 (and, run by hand after it, 17.59 -> 10.69 at 256): the kernel is the GPU default since then
+19 decode against fla's kernel in its serving form (session 20): the state pool read by slot index and
+   written in place, as vLLM calls `fused_recurrent_kda_fwd` for Kimi Linear and as our kernel works, beside
+   the public `fused_recurrent_kda` on a dense h0 (no slot read), kernel times from a profile; 12 heads at
+   batch 1, 64, 256, 1024 and 96 heads at 1, 64, 256, colwarp8 at batch 1 (~5 min) -> kda_pool12.json,
+   kda_pool96.json
 EOF
 }
 
@@ -240,6 +245,12 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step k3_mini_moe timeout 100 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --moe-impl ragged pallas --iters 10 --out "$OUT/k3_mini_moe.json"
+    ;;
+19)
+    step kda_pool12 timeout 280 $K --heads 12 --decode-batch 1 64 256 1024 --variant-batch 1 \
+        --decode-variants colwarp8 --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_pool12.json"
+    step kda_pool96 timeout 250 $K --heads 96 --decode-batch 1 64 256 --variant-batch 1 \
+        --decode-variants colwarp8 --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_pool96.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

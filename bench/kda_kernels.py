@@ -332,6 +332,12 @@ def main(argv=None):
             from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
             fla = (chunk_kda, fused_recurrent_kda)
+            try:  # the form vLLM's decode calls: the state pool read by slot index and written in place
+                from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+                fla = fla + (fused_recurrent_kda_fwd,)
+            except Exception as e:
+                res["fla_pool_error"] = repr(e)[:300]
             res["fla"] = getattr(fla_mod, "__version__", "?")
         except Exception as e:
             res["fla_error"] = repr(e)[:300]
@@ -351,6 +357,42 @@ def main(argv=None):
         g = F.logsigmoid(torch.randn(B, T, H, K, device=dev)) / 16
         beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16).sigmoid()
         return q, k, v, g, beta
+
+    def fla_pool_row(q, k, v, g, beta, h0, N, H):
+        """fla's decode kernel in its serving form, the one vLLM calls for Kimi Linear: the tokens packed
+        with cu_seqlens, the states in a pool read by `ssm_state_indices` and written in place, as our
+        kernel reads and writes its pool by slot id. `fused_recurrent_kda` (the public entry, timed as
+        fla_ms) reads a dense [N, H, K, V] h0 and writes a new final state: no slot read. Pool of >= 320
+        MB, one set of N slots a call (cold states, as ours); the first set holds h0 so the outputs
+        compare. -> {fla_pool_ms, fla_pool_kernel_us (with --profile), o (fla's outputs [N, H, V])}."""
+        pk = lambda x: x.reshape((1, N) + x.shape[2:])
+        qp, kp, vp, gp, bp = map(pk, (q, k, v, g, beta))
+        cu = torch.arange(N + 1, device=dev, dtype=torch.long)
+        sets = max(4, -(-320 * 2**20 // h0.nbytes))
+        pool = torch.randn((sets * N,) + h0.shape[1:], device=dev) * 0.01
+        pool[:N] = h0
+        idx = torch.arange(sets * N, device=dev, dtype=torch.int32).reshape(sets, N)
+        call = lambda i: fla[2](qp, kp, vp, gp, bp, initial_state=pool, inplace_final_state=True,
+                                cu_seqlens=cu, ssm_state_indices=idx[i % sets], scale=128**-0.5)[0]
+        out = {"o": call(0)[0].float()}
+        pool[:N] = h0
+        box = {"i": 0}
+
+        def step():
+            box["i"] += 1
+            return call(box["i"])
+
+        out["fla_pool_ms"] = do_bench(step, warmup=10, rep=200, return_mode="median")
+        if args.profile:
+            def frun():
+                for i in range(sets):
+                    call(i)
+                torch.cuda.synchronize()
+
+            prof = kernel_summary(device_events(frun, args.profile), args.profile * sets)
+            fk = [v for n, v in prof.get("kernels", {}).items() if "recurrent" in n]
+            out["fla_pool_kernel_us"] = fk[0]["mean_us"] if fk else None
+        return out
 
     def fused_inputs_row(jin, tin, B, T, H, R, lower_bound=-5.0):
         """The gate and the L2 norm in the prep kernel vs in XLA before it, and fla's fused form, on
@@ -446,6 +488,7 @@ def main(argv=None):
             variants = [("default", {})] + ([(v, DECODE_VARIANTS[v]) for v in args.decode_variants]
                                        if N in args.variant_batch else [])
             fla_ms = o_fla = ht_fla = h0 = fprof = None
+            fpool = {}
             try:
                 q, k, v, g, beta = inputs(N, 1, H)
                 if fla is not None:
@@ -466,6 +509,12 @@ def main(argv=None):
                         except Exception as e:
                             fprof = {"error": repr(e)[:300]}
                         del hs
+                if fla is not None and len(fla) > 2:
+                    try:
+                        fpool = fla_pool_row(q, k, v, g, beta, h0, N, H)
+                    except Exception as e:
+                        fpool = {"fla_pool_error": repr(e)[:400]}
+                        traceback.print_exc()
             except Exception as e:
                 print("fla decode failed", repr(e)[:300])
             for name, opts in variants:
@@ -500,6 +549,12 @@ def main(argv=None):
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
                         row["rel_err_state_vs_fla"] = rel(pool_after[:N, 0], t2j(ht_fla))
+                    if "o" in fpool:
+                        row["rel_err_o_vs_fla_pool"] = rel(o, t2j(fpool["o"]))
+                    row.update({kk: vv for kk, vv in fpool.items() if kk != "o"})
+                    if fpool.get("fla_pool_kernel_us"):
+                        row["fla_pool_kernel_bandwidth_frac"] = (state_bytes / (fpool["fla_pool_kernel_us"] * 1e-6)
+                                                                 / 1e9 / copy_gbps)
                     del pool
 
                     def steps(pool):
