@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 
 calls() {
     cat <<'EOF'
-1  tests/gpu in full (~5 min; new: fused gate / L2 norm, colwarp8 cases), then batch-1 decode with the
-   one-barrier vt-32 forms and colwarp8 (kernel times from a profile), ~2 min -> tests.txt, kda_b1.json
+1  tests/gpu in full (~8-9 min on an H100 with -n 8 in session 20; the batch-1 decode rows that followed it
+   until then ran in session 13 and in call 19) -> tests.txt
 2  decode at batch 64, 256, 1024 x 12 and 96 heads: the default against colwarp8 at 1, 2, 4 tiles a CTA
    (~5 min) -> kda_colwarp8.json. Ran in session 19 (H100, results/session19/): colwarp8 1.8-2.5% slower
    than the default at every batch >= 64, two and four tiles slower still: STEP_LAYOUT stays "colwarp"
@@ -78,7 +78,10 @@ calls() {
    for these shapes (else the flagged runs fail at compile). Rule: the fastest form that passes its tests
    at every batch becomes the GPU default (`GROUPED_MATMUL`, or the flag set by the engine on GPUs).
    Session 19's call 18 (H100) already made the kernel the default ("auto"); this call re-times it on the
-   H200 and decides between it and cuDNN's
+   H200 and decides between it and cuDNN's. Ran in session 20 (H100; results/session20/): every form passes
+   (32 cases); the kernel is fastest at every batch (4.12 / 6.21 / 11.49 ms against ragged 5.61 / 7.82 /
+   18.13, slabs 5.71 / 7.00 / 12.03); the flag changes nothing there (cuDNN 9.19 on the device, below the
+   9.22 it needs): the kernel stays the default
 17 the mode's routed experts by rounds (`moe.INVARIANT_EXPERTS = "rounds"`: every expert's next block of 128
    rows a loop step as one batched product over the whole weights; "blocks", the default, slices one used
    expert's weights a step, and call 14's profile put 6.5 of the mode's 15.2 ms of MoE at batch 64 in
@@ -86,7 +89,9 @@ calls() {
    k3-mini decode at batch 1 and 64 without the mode and in it with blocks and rounds (~6 min) -> tests.txt,
    k3_mini_rounds.json. Prediction: the four cases pass; rounds cut the mode's moe_ms at batch 64 from
    ~15 to ~3 ms (all 16 experts' weights read once a layer: 7.4 GB a step) and at batch 1 from ~5 to
-   ~2.5-3. Rule: rounds becomes the mode's default if it passes and is faster at both batches
+   ~2.5-3. Rule: rounds becomes the mode's default if it passes and is faster at both batches. Ran in
+   session 20 (H100): the four cases pass; rounds 17.5 / 18.4 ms at batch 1 / 64 against blocks' 15.5 / 26.6
+   (moe 6.5 / 6.6 against 5.2 / 15.2): slower at batch 1, so blocks stays (call 20 tries the kernel)
 18 call 16 cut to a short budget: the grouped-matmul kernel's first GPU run (tests/gpu/test_moe_gpu.py's
    bf16 "pallas" cases), then k3-mini decode at batch 1 and 64 with ragged and pallas (~3 min) -> tests.txt,
    k3_mini_moe.json. Ran in session 19 (H100): the tests pass; 5.01 -> 3.76 ms at batch 1, 7.06 -> 6.10 at
@@ -95,7 +100,16 @@ calls() {
    written in place, as vLLM calls `fused_recurrent_kda_fwd` for Kimi Linear and as our kernel works, beside
    the public `fused_recurrent_kda` on a dense h0 (no slot read), kernel times from a profile; 12 heads at
    batch 1, 64, 256, 1024 and 96 heads at 1, 64, 256, colwarp8 at batch 1 (~5 min) -> kda_pool12.json,
-   kda_pool96.json
+   kda_pool96.json. Ran in session 20 (H100, results/session20/): fla's serving form is slower than ours at
+   every shape (1 x 96: 6.97 against 6.73 us; 1024 x 12: 588 against 557), its dense form faster at batch >= 64
+   (by 1.5-3%) and at 1 x 96 (6.09)
+20 the batch-invariant mode's routed experts on the grouped-matmul kernel (`moe.INVARIANT_EXPERTS = "kernel"`,
+   session 20: no loop, the N tile fixed by the width): tests/gpu/test_engine_gpu.py -k "batch_invariant and
+   kernel" (bf16 k3-tiny, both paths), then k3-mini decode at batch 1 and 64 without the mode and in it with
+   blocks and kernel (~6 min) -> tests.txt, k3_mini_kernel_mode.json. Prediction: both cases pass (a wgmma
+   row is its own row's products whatever the block's other rows) and the mode's moe_ms drops to the
+   mode-off figure (~2.1 / 2.6 ms at batch 1 / 64 on the H100, against blocks' 5.2 / 15.2). Rule: "kernel"
+   becomes the mode's default if the tests pass and it is faster at both batches
 EOF
 }
 
@@ -119,11 +133,9 @@ step() {  # step NAME CMD...: run CMD, its output in $OUT/NAME.log (the tail als
 
 case "$1" in
 1)
-    step tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 8 -rfE
+    # -v: each test's name as it finishes, so a run the time limit cuts still says which ones failed
+    step tests timeout 560 python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
-    step kda_b1 $K --heads 12 96 --decode-batch 1 --variant-batch 1 --decode-variants vt32_one_barrier \
-        vt32_tiles2_one_barrier colwarp8 colwarp8_ro --profile 2 --verify --prefill --breakdown none \
-        --out "$OUT/kda_b1.json"
     ;;
 2)
     step kda_colwarp8 $K --heads 12 96 --decode-batch 64 256 1024 --variant-batch 64 256 1024 \
@@ -251,6 +263,13 @@ case "$1" in
         --decode-variants colwarp8 --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_pool12.json"
     step kda_pool96 timeout 250 $K --heads 96 --decode-batch 1 64 256 --variant-batch 1 \
         --decode-variants colwarp8 --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_pool96.json"
+    ;;
+20)
+    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
+        -k "batch_invariant and kernel"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step k3_mini_kernel_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --invariant-experts blocks kernel --iters 10 --out "$OUT/k3_mini_kernel_mode.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -52,6 +52,11 @@ def _tile_cols(NB: int, N: int) -> int:
     return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * 132 else 64
 
 
+def fixed_tile_cols(N: int) -> int:
+    """An N tile that depends on the width alone (the batch-invariant mode: 128 where N allows, else 64)."""
+    return 128 if N % 128 == 0 else 64
+
+
 def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret: bool):
     from pallas_kernels.kda.mgpu import WGMMA, _bf16_tiled, _gpu_interpret_params
 

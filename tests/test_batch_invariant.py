@@ -84,21 +84,32 @@ def test_weight_products_give_a_row_the_same_bits_at_every_row_count(model):
     assert len(rows) >= 5 and all(r["bitwise_equal"] for r in rows), rows
 
 
-@pytest.mark.parametrize("form,group", [("blocks", 1), ("blocks", 3), ("rounds", 1)])
+@pytest.mark.parametrize("form,group", [("blocks", 1), ("blocks", 3), ("rounds", 1), ("kernel", 1)])
 def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(form, group, monkeypatch):
     """The mode's routed experts compute what `ragged_dot` does, with groups spanning several blocks and
     experts left unused, and a token's output row does not change when the step routes more or other
     tokens (bit for bit): `moe._expert_blocks` (each expert's copies in blocks of R rows, one block or
-    `moe.EXPERT_GROUP` = 3 blocks a loop step) and `moe._expert_rounds` (`INVARIANT_EXPERTS = "rounds"`:
-    every expert's next block a loop step)."""
+    `moe.EXPERT_GROUP` = 3 blocks a loop step), `moe._expert_rounds` (`INVARIANT_EXPERTS = "rounds"`:
+    every expert's next block a loop step) and the grouped-matmul kernel (`INVARIANT_EXPERTS = "kernel"`,
+    bf16 weights, the kernel in interpret mode: no loop, its N tile fixed)."""
     monkeypatch.setattr(moe, "EXPERT_GROUP", group)
     monkeypatch.setattr(moe, "INVARIANT_EXPERTS", form)
-    cfg = preset("k3-tiny").replace(dtype="float32")
-    p = jax.tree.map(lambda a: a[0], init_params(cfg, 0).moe)
+    kernel = form == "kernel"
+    if kernel:
+        monkeypatch.setattr(moe, "GROUPED_MATMUL", "pallas_interpret")
+    cfg = preset("k3-tiny").replace(dtype="bfloat16" if kernel else "float32")
+    p = jax.tree.map(lambda a: a[0].astype(cfg.dtype), init_params(cfg, 0).moe)
     x = jax.random.normal(jax.random.PRNGKey(2), (37, cfg.hidden_size))
     z = proj(x, p.latent_down) if p.latent_down is not None else x
     idx, w = route(p, x, cfg)
-    ref = routed_experts(p, z, idx, w, cfg)
+    with monkeypatch.context() as m:
+        m.setattr(moe, "GROUPED_MATMUL", "ragged")
+        ref = routed_experts(p, z, idx, w, cfg)
+    tol = 2e-2 if kernel else 1e-5  # bf16 gate and up products: the kernel's K order is not ragged_dot's
+    calls = []
+    if kernel:  # the kernel runs, with the width's N tile whatever the block count
+        orig = moe.gmm.grouped_matmul
+        monkeypatch.setattr(moe.gmm, "grouped_matmul", lambda *a, **kw: calls.append(kw) or orig(*a, **kw))
     run = jax.jit(lambda z, idx, w: routed_experts(p, z, idx, w, cfg))
     with batch_invariant(4):  # 37 x k copies over the experts: several blocks per group
         got = run(z, idx, w)
@@ -106,11 +117,12 @@ def test_expert_blocks_equal_the_grouped_matmul_and_ignore_the_other_tokens(form
         mid = run(z[20:23], idx[20:23], w[20:23])  # other rows of the blocks, other rounds
     sizes = np.bincount(np.asarray(idx).reshape(-1), minlength=cfg.num_experts)
     assert sizes.max() > 4
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(few), np.asarray(got)[:3])
     np.testing.assert_array_equal(np.asarray(mid), np.asarray(got)[20:23])
+    assert (len(calls) >= 6 and all(c.get("bn") == 128 for c in calls)) if kernel else not calls, calls
     with batch_invariant(64):  # one block per used expert
-        np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(run(z, idx, w)), np.asarray(ref), rtol=tol, atol=tol)
     monkeypatch.setattr(moe, "EXPERT_GROUP", 0)
     if form == "blocks":
         with batch_invariant(4), pytest.raises(ValueError, match="EXPERT_GROUP"):

@@ -78,9 +78,16 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     R = batch_invariant_rows()
     if R and first_expert is None:
         order = jnp.argsort(flat, stable=True)
-        if INVARIANT_EXPERTS not in ("blocks", "rounds"):
-            raise ValueError(f"moe.INVARIANT_EXPERTS must be 'blocks' or 'rounds', got {INVARIANT_EXPERTS!r}")
-        form = _expert_blocks if INVARIANT_EXPERTS == "blocks" else _expert_rounds
+        if INVARIANT_EXPERTS not in INVARIANT_FORMS:
+            raise ValueError(f"moe.INVARIANT_EXPERTS must be one of {INVARIANT_FORMS}, got {INVARIANT_EXPERTS!r}")
+        kern = grouped_matmul_form(p)
+        if INVARIANT_EXPERTS == "kernel" and kern in ("pallas", "pallas_interpret"):
+            # each output row is its own row's product in a fixed order over K: no block loop needed. The N
+            # tile is fixed by the weight's width alone (outside the mode it follows the block count)
+            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+            return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, kern, bn=gmm.fixed_tile_cols),
+                            w, order, None, T, k)
+        form = _expert_rounds if INVARIANT_EXPERTS == "rounds" else _expert_blocks
         return _combine(form(p, z, flat, order, k, cfg, R), w, order, None, T, k)
     local = None
     if first_expert is not None:
@@ -152,17 +159,20 @@ def _block_layout(flat: jax.Array, order: jax.Array, sizes: jax.Array, E: int, R
 
 
 def _expert_kernel(p: MoEParams, z: jax.Array, flat: jax.Array, order: jax.Array, sizes: jax.Array, k: int,
-                   cfg: ModelConfig, impl: str) -> jax.Array:
+                   cfg: ModelConfig, impl: str, bn=None) -> jax.Array:
     """The grouped matmul on the Pallas kernel (`pallas_kernels.moe.grouped_matmul`): the copies in
     expert-aligned blocks of its `BLOCK_ROWS`, at most n / BLOCK_ROWS + min(E, n) blocks (static), of which
     the kernel computes the used ones: three launches a layer, each expert's weights read once per block.
+    bn: the kernel's N tile (None: its rule by block count), or a function of the weight's width N.
     -> f32 [T*k, Din] of the copies in `order` (expert-sorted), as the ragged form returns."""
     n, E = flat.shape[0], p.w1.shape[0]
     R = gmm.BLOCK_ROWS
     NB = -(-n // R) + min(E, n)
     dest, block_e, used = _block_layout(flat, order, sizes, E, R, NB)
     xs = jnp.zeros((NB * R, z.shape[-1]), p.w1.dtype).at[dest].set(z[order // k].astype(p.w1.dtype), mode="drop")
-    y = _glu_products(lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=impl), xs, p.w1, p.w3, p.w2, cfg)
+    tile = (lambda N: None) if bn is None else bn
+    mm = lambda a, b: gmm.grouped_matmul(a, b, block_e, used, impl=impl, bn=tile(b.shape[-1]))
+    y = _glu_products(mm, xs, p.w1, p.w3, p.w2, cfg)
     return jnp.concatenate([y, jnp.zeros_like(y[:1])])[dest]
 
 
@@ -201,10 +211,15 @@ def _combine(y, w, order, local, T: int, k: int):
 
 
 # The batch-invariant mode's routed experts, read while tracing: "blocks" (`_expert_blocks`: one used expert's
-# block of R rows a loop step, its weights sliced out of the stacked ones) or "rounds" (`_expert_rounds`:
+# block of R rows a loop step, its weights sliced out of the stacked ones), "rounds" (`_expert_rounds`:
 # every expert's next block of R rows a loop step, as one batched product over all the experts' weights,
-# no slicing; ceil(T / R) steps). On an H100 (session 19) the blocks' weight slices were copied each step
-# (dynamic-slice fusions: 6.5 of the mode's 15.2 ms of MoE at batch 64), which rounds avoid.
+# no slicing; ceil(T / R) steps) or "kernel" (the grouped-matmul kernel where `grouped_matmul_form` gives it,
+# with its N tile fixed by the weight's width: a row's output is its own row's products in a fixed order
+# over K, so it needs no loop; elsewhere "blocks"). On an H100 (session 19) the blocks' weight slices were
+# copied each step (dynamic-slice fusions: 6.5 of the mode's 15.2 ms of MoE at batch 64), which rounds
+# avoid; session 20 (H100, k3-mini decode in the mode): rounds 17.5 / 18.4 ms at batch 1 / 64 against
+# blocks' 15.5 / 26.6, so neither wins both and blocks stays. "kernel" has not run on a GPU yet.
+INVARIANT_FORMS = ("blocks", "rounds", "kernel")
 INVARIANT_EXPERTS = "blocks"
 
 

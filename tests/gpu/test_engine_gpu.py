@@ -174,7 +174,7 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     assert got == want, json.dumps(parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want))
 
 
-@pytest.mark.parametrize("experts", ["blocks", "rounds"])
+@pytest.mark.parametrize("experts", ["blocks", "rounds", "kernel"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
@@ -183,13 +183,21 @@ def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     step of a 4x larger bucket, a mixed step and a verify block, and each verify row equals the decode
     step of its token (bench/batch_invariance.py's `step_rows`, as tests/test_batch_invariant.py checks on
     the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode. With both
-    forms of the mode's routed experts (`moe.INVARIANT_EXPERTS`; "rounds" since session 19)."""
+    forms of the mode's routed experts (`moe.INVARIANT_EXPERTS`; "rounds" since session 19; "kernel", the
+    grouped-matmul kernel with no loop, since session 20, on a bf16 copy of the model: the kernel takes bf16
+    weights only)."""
     from bench.batch_invariance import parted_requests, step_rows
     from k3jax.config import BATCH_INVARIANT_ROWS
     from k3jax.model import moe
 
     monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts)  # read while tracing: a fresh model name below
-    m = dataclasses.replace(model, impl=impl, config=model.config.replace(name=f"{model.config.name}-{experts}"))
+    cfg = model.config.replace(name=f"{model.config.name}-{experts}")
+    m = dataclasses.replace(model, impl=impl, config=cfg)
+    if experts == "kernel":
+        cfg = cfg.replace(dtype="bfloat16")
+        full = init_params(cfg, 0)
+        assert moe.grouped_matmul_form(jax.tree.map(lambda a: a[0], full.moe)) == "pallas"  # a Hopper GPU
+        m = dataclasses.replace(m, config=cfg, params=split_layers(full))
     inv = dataclasses.replace(m, config=m.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
     r = step_rows(inv, prompt_len=100, gamma=4, seed=0)
     assert r["mixed_bitwise_equal"] and r["wide_bitwise_equal"] and r["verify_bitwise_equal"], r
