@@ -110,6 +110,13 @@ calls() {
    row is its own row's products whatever the block's other rows) and the mode's moe_ms drops to the
    mode-off figure (~2.1 / 2.6 ms at batch 1 / 64 on the H100, against blocks' 5.2 / 15.2). Rule: "kernel"
    becomes the mode's default if the tests pass and it is faster at both batches
+21 the grouped-matmul kernel's TMA stages (`pallas_kernels.moe.STAGES`, 2 until now): tests/gpu/test_moe_gpu.py
+   -k "kernel_rows or pallas" (bits equal at 2, 3, 4, 6 stages; a row's bits alone, elsewhere in its block
+   and in another grid), then k3-mini decode at batch 1, 64, 256 with 2, 3, 4 and 6 stages (~6 min)
+   -> tests.txt, k3_mini_stages.json. Prediction: at batch 1 (1-2 CTAs an SM, each waiting one TMA
+   latency a K step with 2 stages) 4 stages take the routed experts from ~0.6 to ~0.85 of copy bandwidth:
+   the step ~0.3 ms faster (4.1 -> ~3.8 ms on the H100); at 256 (many CTAs an SM) within 2%. Rule: STAGES =
+   the fewest stages within 1% of the fastest at every batch
 EOF
 }
 
@@ -270,6 +277,13 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step k3_mini_kernel_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-experts blocks kernel --iters 10 --out "$OUT/k3_mini_kernel_mode.json"
+    ;;
+21)
+    step tests timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX \
+        -k "kernel_rows or pallas"
+    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    step k3_mini_stages timeout 330 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
+        --moe-stages 2 3 4 6 --iters 10 --out "$OUT/k3_mini_stages.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -44,6 +44,7 @@ from k3jax.model import moe as moe_model  # noqa: E402
 from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
+import pallas_kernels.moe as gmm  # noqa: E402
 
 
 def random_state(state, seed=0):
@@ -221,6 +222,10 @@ def main(argv=None):
                          "GPU for bf16 weights, else ragged), ragged = jax.lax.ragged_dot, slabs = three batched "
                          "products over all experts (T rows an expert), pallas = the Mosaic GPU grouped-matmul "
                          "kernel (pallas_kernels/moe.py); rows marked moe_impl")
+    ap.add_argument("--moe-stages", type=int, nargs="*", default=[0], metavar="S",
+                    help="TMA stages of the grouped-matmul kernel (`pallas_kernels.moe.STAGES`; 0, the default: "
+                         "its setting) for the rows that run it (--moe-impl auto or pallas, and the mode's kernel "
+                         "form); rows marked moe_stages")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
@@ -240,14 +245,17 @@ def main(argv=None):
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
-    runs = [(s, impl, lay, fused, bi, ie, eg, mi) for s in shapes for impl in args.impl for lay in args.layouts
+    kernel_rows = lambda bi, ie, mi: (ie == "kernel") if bi else mi in ("auto", "pallas")
+    runs = [(s, impl, lay, fused, bi, ie, eg, mi, ms) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
             for bi in args.batch_invariant
             for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
                            if bi else [("blocks", 1)])
-            for mi in (["auto"] if bi else args.moe_impl)]
+            for mi in (["auto"] if bi else args.moe_impl)
+            for ms in (args.moe_stages if kernel_rows(bi, ie, mi) else [0])]
     base_cfg = cfg
-    for (kind, B), impl, layout, fused, bi, ie, eg, mi in runs:
+    stages0 = gmm.STAGES
+    for (kind, B), impl, layout, fused, bi, ie, eg, mi, ms in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
@@ -256,6 +264,9 @@ def main(argv=None):
         if bi:
             row["invariant_experts"], row["expert_group"] = ie, eg
         row["moe_impl"] = mi
+        gmm.STAGES = ms or stages0  # read when the step is traced
+        if kernel_rows(bi, ie, mi):
+            row["moe_stages"] = gmm.STAGES
         moe_model.INVARIANT_EXPERTS = ie  # read when the step is traced
         moe_model.EXPERT_GROUP = eg  # read when the step is traced
         moe_model.GROUPED_MATMUL = mi  # read when the step is traced
@@ -291,7 +302,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'step_ms':>8} {'tok/s':>9}"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'st':>2} {'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)")
     for r in res["results"]:
@@ -300,6 +311,7 @@ def main(argv=None):
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
+              f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
               f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")

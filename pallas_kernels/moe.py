@@ -16,7 +16,7 @@ block and skips the unused blocks on the device. Each output tile is computed by
 block's rows with a fixed reduction order over K, whatever the other blocks hold.
 
 impl: "xla" (`grouped_matmul_ref`: each block against its expert's gathered weights), "pallas" (Mosaic GPU,
-sm_90: one CTA per (block, N tile), K in steps of `BK` double-buffered by TMA, wgmma into an f32
+sm_90: one CTA per (block, N tile), K in steps of `BK` through `STAGES` TMA stages, wgmma into an f32
 accumulator), "pallas_interpret" (the same kernel in Mosaic GPU interpret mode, CPU tests).
 """
 
@@ -32,6 +32,11 @@ from pallas_kernels.dispatch import resolve_impl
 
 BLOCK_ROWS = 64  # one wgmma's M: the rows a block (and a CTA) holds
 BK = 64  # K step: a [64, 64] bf16 A tile and a [64, BN] B tile a stage (128-byte swizzled rows)
+# TMA stages a CTA keeps (`grouped_matmul(stages=None)`): step kk's wgmma runs while the loads of steps
+# kk + 1 .. kk + STAGES - 1 are in flight. 2 ran on the GPU (sessions 19-20: ~0.6 of copy bandwidth at a
+# k3-mini decode step, where 1-2 CTAs an SM wait a TMA latency each K step); more stages are the first
+# tuning step (bench/k3_mini_h200.py --moe-stages).
+STAGES = 2
 
 
 def grouped_matmul_ref(x, w, block_expert, used_blocks):
@@ -57,7 +62,7 @@ def fixed_tile_cols(N: int) -> int:
     return 128 if N % 128 == 0 else 64
 
 
-def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret: bool):
+def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: int, interpret: bool):
     from pallas_kernels.kda.mgpu import WGMMA, _bf16_tiled, _gpu_interpret_params
 
     M, K = x.shape
@@ -78,14 +83,16 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret:
                 plgpu.copy_gmem_to_smem(x_ref.at[rows, pl.ds(kk * BK, BK)], x_s.at[slot], bar.at[slot])
                 plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(kk * BK, BK), pl.ds(n0, bn)], w_s.at[slot], bar.at[slot])
 
-            issue(0, 0)
+            for j in range(min(stages - 1, nk)):  # the first stages - 1 steps' loads
+                issue(j, j)
 
             def body(kk, acc):
-                slot = lax.rem(kk, 2)
+                slot = lax.rem(kk, stages)
+                ahead = kk + stages - 1
 
-                @pl.when(kk + 1 < nk)  # the other stage's operands were read by the last step's wgmma,
+                @pl.when(ahead < nk)  # its stage's operands were read by the last step's wgmma,
                 def _():  # which returned (its accumulator was read) before this step began
-                    issue(kk + 1, 1 - slot)
+                    issue(ahead, lax.rem(ahead, stages))
 
                 plgpu.barrier_wait(bar.at[slot])
                 if interpret:
@@ -109,10 +116,10 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret:
         grid=(NB, N // bn),
         grid_names=("blk", "ntile"),
         scratch_types=[
-            plgpu.SMEM((2, BLOCK_ROWS, BK), x.dtype, **tiled(BK)),
-            plgpu.SMEM((2, BK, bn), w.dtype, **tiled(bn)),
+            plgpu.SMEM((stages, BLOCK_ROWS, BK), x.dtype, **tiled(BK)),
+            plgpu.SMEM((stages, BK, bn), w.dtype, **tiled(bn)),
             plgpu.SMEM((BLOCK_ROWS, bn), f32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="moe_grouped_matmul_mgpu",
@@ -121,8 +128,11 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, interpret:
     return f(x, w, block_expert, used_blocks)
 
 
-def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: int | None = None):
-    """See the module docstring. x and w bf16 for the kernel (f32 goes through the reference)."""
+def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: int | None = None,
+                   stages: int | None = None):
+    """See the module docstring. x and w bf16 for the kernel (f32 goes through the reference). bn: the N
+    tile (None: `_tile_cols`); stages: TMA stages (None: `STAGES`), at least 2. Neither changes a bit of
+    the output: every tile sums over K in the same order."""
     M, K = x.shape
     E, K2, N = w.shape
     NB = block_expert.shape[0]
@@ -133,7 +143,10 @@ def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: in
     if impl == "xla" or x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         return grouped_matmul_ref(x, w, block_expert, used_blocks)
     bn = bn or _tile_cols(NB, N)
+    stages = STAGES if stages is None else stages
     if not tiles(K, N) or N % bn:
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of {BK} and N = {N} of {bn}")
+    if stages < 2:
+        raise ValueError(f"grouped_matmul: stages must be >= 2 (one step's wgmma, one step's loads), got {stages}")
     return _grouped_matmul_mgpu(x, w, block_expert.astype(jnp.int32), used_blocks.astype(jnp.int32), bn=bn,
-                                interpret=impl == "pallas_interpret")
+                                stages=stages, interpret=impl == "pallas_interpret")

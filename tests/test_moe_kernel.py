@@ -22,18 +22,19 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("K,N,bn", [(128, 128, 64), (192, 256, 128)])
-def test_grouped_matmul_kernel_in_interpret_mode(K, N, bn):
+@pytest.mark.parametrize("K,N,bn,stages", [(128, 128, 64, 2), (192, 256, 128, 3), (128, 128, 64, 4)])
+def test_grouped_matmul_kernel_in_interpret_mode(K, N, bn, stages):
     """Blocks of three experts in any order (one expert over two blocks, one expert unused), the last two
     blocks past `used_blocks`: every used block's rows equal x_block @ w[expert] (f64) to bf16-input
-    accuracy and the reference's bits to f32 summation order; the unused blocks are not computed."""
+    accuracy and the reference's bits to f32 summation order; the unused blocks are not computed. With 2,
+    3 and 4 TMA stages (4: more stages than K steps)."""
     E, NB = 5, 6
     ks = jax.random.split(jax.random.PRNGKey(K + N), 2)
     x = jax.random.normal(ks[0], (NB * BLOCK_ROWS, K)).astype(jnp.bfloat16)
     w = jax.random.normal(ks[1], (E, K, N)).astype(jnp.bfloat16)
     be = jnp.array([3, 3, 0, 4, 4, 4], jnp.int32)
     used = jnp.array([4], jnp.int32)
-    got = np.asarray(grouped_matmul(x, w, be, used, impl="pallas_interpret", bn=bn))
+    got = np.asarray(grouped_matmul(x, w, be, used, impl="pallas_interpret", bn=bn, stages=stages))
     ref = np.asarray(grouped_matmul(x, w, be, used, impl="xla"))
     live = 4 * BLOCK_ROWS
     xb = np.asarray(x, np.float64).reshape(NB, BLOCK_ROWS, K)
@@ -56,6 +57,8 @@ def test_grouped_matmul_checks_its_arguments():
         grouped_matmul(x, jnp.zeros((3, 128, 96), jnp.bfloat16), be, used, impl="pallas_interpret")
     with pytest.raises(ValueError, match="impl"):
         grouped_matmul(x, w, be, used, impl="triton")
+    with pytest.raises(ValueError, match="stages"):
+        grouped_matmul(x, w, be, used, impl="pallas_interpret", stages=1)
 
 
 def test_routed_experts_on_the_kernel(monkeypatch):
@@ -92,8 +95,8 @@ def test_grouped_matmul_kernel_lowers_for_cuda():
         except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Mosaic GPU dialect
             pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
 
-    for bn in (64, 128):
-        text = export(functools.partial(grouped_matmul, impl="pallas", bn=bn),
+    for bn, stages in ((64, 2), (128, 4)):
+        text = export(functools.partial(grouped_matmul, impl="pallas", bn=bn, stages=stages),
                       sd((6 * BLOCK_ROWS, 256), bf), sd((5, 256, 384), bf), sd((6,), jnp.int32), sd((1,), jnp.int32))
         assert "mosaic_gpu" in text
     cfg = preset("k3-mini")

@@ -68,3 +68,36 @@ def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
     assert np.isfinite(got).all()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert rel < (1e-2 if dtype == "bfloat16" else 1e-5), rel
+
+
+def test_kernel_rows_do_not_depend_on_stages_or_other_rows():
+    """The grouped-matmul kernel (`pallas_kernels.moe.grouped_matmul`, impl "pallas") at k3-mini's gate
+    width: its output is bit for bit the same with 2, 3, 4 and 6 TMA stages (`moe.STAGES`: the K order never
+    changes) and within 1e-2 of float64; and a row's output does not change, bit for bit, when the other
+    rows of its block, its block's position or the block count change (what the batch-invariant mode's
+    "kernel" form relies on), at the mode's fixed N tile."""
+    import pallas_kernels.moe as gmm
+
+    cfg = preset("k3-mini")
+    E, K, N = cfg.num_experts, cfg.moe_expert_dim, cfg.moe_intermediate_size
+    R = gmm.BLOCK_ROWS
+    ks = jax.random.split(jax.random.PRNGKey(3), 2)
+    w = (jax.random.normal(ks[0], (E, K, N)) / K**0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(ks[1], (5 * R, K)).astype(jnp.bfloat16)
+    be, used = jnp.array([2, 2, 7, 9, 0], jnp.int32), jnp.array([4], jnp.int32)
+    run = jax.jit(gmm.grouped_matmul, static_argnames=("impl", "bn", "stages"))
+    bn = gmm.fixed_tile_cols(N)
+    outs = {s: np.asarray(run(x, w, be, used, impl="pallas", bn=bn, stages=s))[: 4 * R] for s in (2, 3, 4, 6)}
+    xb = np.asarray(x, np.float64).reshape(5, R, K)[:4]
+    want = np.einsum("brk,bkn->brn", xb, np.asarray(w, np.float64)[np.asarray(be)[:4]]).reshape(-1, N)
+    assert np.linalg.norm(outs[2] - want) / np.linalg.norm(want) < 1e-2
+    for s, o in outs.items():
+        np.testing.assert_array_equal(o, outs[2], err_msg=f"stages={s}")
+    # row 70 (block 1, expert 2) alone in a block, at another row of it, and in a one-block grid
+    row = x[70]
+    alone = jnp.zeros((2 * R, K), x.dtype).at[R + 5].set(row)
+    first = jnp.zeros((R, K), x.dtype).at[0].set(row)
+    got = [np.asarray(run(alone, w, be[:2], jnp.array([2], jnp.int32), impl="pallas", bn=bn))[R + 5],
+           np.asarray(run(first, w, be[1:2], jnp.array([1], jnp.int32), impl="pallas", bn=bn))[0]]
+    for g in got:
+        np.testing.assert_array_equal(g, outs[2][70])
