@@ -80,8 +80,7 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
         order = jnp.argsort(flat, stable=True)
         if INVARIANT_EXPERTS not in INVARIANT_FORMS:
             raise ValueError(f"moe.INVARIANT_EXPERTS must be one of {INVARIANT_FORMS}, got {INVARIANT_EXPERTS!r}")
-        kern = grouped_matmul_form(p)
-        if INVARIANT_EXPERTS == "kernel" and kern in ("pallas", "pallas_interpret"):
+        if INVARIANT_EXPERTS == "kernel" and (kern := grouped_matmul_form(p)) in ("pallas", "pallas_interpret"):
             # each output row is its own row's product in a fixed order over K: no block loop needed. The N
             # tile is fixed by the weight's width alone (outside the mode it follows the block count)
             sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
