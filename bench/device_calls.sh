@@ -117,6 +117,11 @@ calls() {
    latency a K step with 2 stages) 4 stages take the routed experts from ~0.6 to ~0.85 of copy bandwidth:
    the step ~0.3 ms faster (4.1 -> ~3.8 ms on the H100); at 256 (many CTAs an SM) within 2%. Rule: STAGES =
    the fewest stages within 1% of the fastest at every batch
+22 the issue's k3-mini table on today's defaults (the grouped-matmul kernel, the split layout): decode at
+   batch 1, 16, 64 and 256 on the Pallas and the XLA path, with the profile's breakdown (~6 min)
+   -> k3_mini_decode.json. The README's table is session 4's (H200, ragged_dot). Watch kernel_ms_per_step
+   against step_ms: in call 16 (H100) 0.86 ms of the 4.12 ms batch-1 step and 1.5 of 11.5 at 256 were not
+   kernel time (launch gaps and host work between a step's kernels)
 EOF
 }
 
@@ -284,6 +289,10 @@ case "$1" in
     cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
     step k3_mini_stages timeout 330 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
         --moe-stages 2 3 4 6 --iters 10 --out "$OUT/k3_mini_stages.json"
+    ;;
+22)
+    step k3_mini_decode timeout 420 python3 bench/k3_mini_h200.py --batch 1 16 64 256 --impl pallas xla \
+        --layouts split --iters 10 --out "$OUT/k3_mini_decode.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2
