@@ -143,11 +143,16 @@ step() {  # step NAME CMD...: run CMD, its output in $OUT/NAME.log (the tail als
     echo "== $name: rc=$rc, $((SECONDS - t0)) s"
 }
 
+gpu_tests() {  # gpu_tests NAME SECONDS PYTEST_ARGS...: pytest -m gpu under a time limit, output in NAME.txt
+    local name=$1 limit=$2; shift 2
+    step "$name" timeout "$limit" python3 -m pytest -m gpu -p no:cacheprovider -rfEX "$@"
+    mv "$OUT/$name.log" "$OUT/$name.txt"
+}
+
 case "$1" in
 1)
     # -v: each test's name as it finishes, so a run the time limit cuts still says which ones failed
-    step tests timeout 560 python3 -m pytest -v -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 560 -v tests/gpu -n 8
     ;;
 2)
     step kda_colwarp8 $K --heads 12 96 --decode-batch 64 256 1024 --variant-batch 64 256 1024 \
@@ -174,16 +179,14 @@ case "$1" in
         --out "$OUT/bi_pallas_det.json"
     ;;
 6)
-    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 8 -rfEX
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 300 -q tests/gpu -n 8
     step bi_pallas timeout 180 python3 bench/batch_invariance.py --seeds 1 --layers --engine --no-gemm \
         --impl pallas --out "$OUT/bi_pallas.json"
     step bi_xla timeout 100 python3 bench/batch_invariance.py --seeds 1 --no-gemm --impl xla \
         --out "$OUT/bi_xla.json"
     ;;
 7)
-    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 4 -rfEX
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 300 -q tests/gpu/test_engine_gpu.py -n 4
     step bi_pallas timeout 150 python3 bench/batch_invariance.py --seeds 1 --engine --no-gemm --impl pallas \
         --out "$OUT/bi_pallas.json"
     ;;
@@ -201,30 +204,22 @@ case "$1" in
     done
     ;;
 10)
-    step tests timeout 240 python3 -m pytest -q -m gpu tests/gpu/test_kda_gpu.py -p no:cacheprovider -n 4 -rfEX \
-        -k "tiles or bitwise or auto_barriers"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 240 -q tests/gpu/test_kda_gpu.py -n 4 -k "tiles or bitwise or auto_barriers"
     step kda_verify_tiles $K --decode-batch --verify 64x12 256x12 --verify-layouts colwarp colwarp8 \
         --verify-tiles 1 2 --prefill --breakdown none --out "$OUT/kda_verify_tiles.json"
     ;;
 11)
-    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -n 4 -rfEX \
-        -k "pack_offset or varlen_chunk or snapshot_and_pool or speculative"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 300 -q tests/gpu -n 4 -k "pack_offset or varlen_chunk or snapshot_and_pool or speculative"
     step kda_aligned $K --decode-batch --verify --prefill 8x4096x12 --align-segments --breakdown none \
         --out "$OUT/kda_aligned.json"
     ;;
 12)
     step k3_mini_invariant timeout 270 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
-    step tests timeout 280 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
-        -k "batch_invariant or speculative"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 280 -q tests/gpu/test_engine_gpu.py -n 2 -k "batch_invariant or speculative"
     ;;
 13)
-    step tests timeout 220 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
-        -k "batch_invariant"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 220 -q tests/gpu/test_engine_gpu.py -n 2 -k "batch_invariant"
     step k3_mini_invariant timeout 170 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_invariant.json"
     ;;
@@ -234,39 +229,28 @@ case "$1" in
         --batch-invariant 0 128 --expert-group 1 4 --iters 10 --out "$OUT/k3_mini_invariant.json"
     step k3_mini_cmdbuf env XLA_FLAGS="$CB" timeout 150 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
         --layouts split --batch-invariant 0 128 --iters 10 --out "$OUT/k3_mini_cmdbuf.json"
-    step tests env XLA_FLAGS="$CB" timeout 230 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py \
-        -p no:cacheprovider -n 2 -rfEX -k "batch_invariant"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    XLA_FLAGS="$CB" gpu_tests tests 230 -q tests/gpu/test_engine_gpu.py -n 2 -k "batch_invariant"
     ;;
 15)
-    step tests timeout 400 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
-        -k "speculative"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 400 -q tests/gpu/test_engine_gpu.py -n 2 -k "speculative"
     ;;
 16)
     RD="--xla_gpu_experimental_use_ragged_dot_fusion=true"
     step versions sh -c "python3 -m pip list 2>/dev/null | grep -i -E 'cudnn|^jax'"  # the flag needs cuDNN >= 9.22
-    step tests timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
-    step tests_rd env XLA_FLAGS="$RD" timeout 100 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py \
-        -p no:cacheprovider -rfEX -k ragged
-    cp "$OUT/tests_rd.log" "$OUT/tests_rd.txt" && rm "$OUT/tests_rd.log"
+    gpu_tests tests 200 -q tests/gpu/test_moe_gpu.py
+    XLA_FLAGS="$RD" gpu_tests tests_rd 100 -q tests/gpu/test_moe_gpu.py -k ragged
     step k3_mini_ragged0 timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
         --moe-impl ragged slabs pallas --iters 10 --out "$OUT/k3_mini_ragged0.json"
     step k3_mini_ragged1 env XLA_FLAGS="$RD" timeout 90 python3 bench/k3_mini_h200.py --batch 1 64 256 \
         --impl pallas --layouts split --moe-impl ragged --iters 10 --out "$OUT/k3_mini_ragged1.json"
     ;;
 17)
-    step tests timeout 330 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 4 -rfEX \
-        -k "batch_invariant"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 330 -q tests/gpu/test_engine_gpu.py -n 4 -k "batch_invariant"
     step k3_mini_rounds timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-experts blocks rounds --iters 10 --out "$OUT/k3_mini_rounds.json"
     ;;
 18)
-    step tests timeout 90 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX \
-        -k "pallas and bfloat16"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 90 -q tests/gpu/test_moe_gpu.py -k "pallas and bfloat16"
     step k3_mini_moe timeout 100 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --moe-impl ragged pallas --iters 10 --out "$OUT/k3_mini_moe.json"
     ;;
@@ -277,16 +261,12 @@ case "$1" in
         --decode-variants colwarp8 --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_pool96.json"
     ;;
 20)
-    step tests timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_engine_gpu.py -p no:cacheprovider -n 2 -rfEX \
-        -k "batch_invariant and kernel"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 300 -q tests/gpu/test_engine_gpu.py -n 2 -k "batch_invariant and kernel"
     step k3_mini_kernel_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-experts blocks kernel --iters 10 --out "$OUT/k3_mini_kernel_mode.json"
     ;;
 21)
-    step tests timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_moe_gpu.py -p no:cacheprovider -rfEX \
-        -k "kernel_rows or pallas"
-    cp "$OUT/tests.log" "$OUT/tests.txt" && rm "$OUT/tests.log"
+    gpu_tests tests 200 -q tests/gpu/test_moe_gpu.py -k "kernel_rows or pallas"
     step k3_mini_stages timeout 330 python3 bench/k3_mini_h200.py --batch 1 64 256 --impl pallas --layouts split \
         --moe-stages 2 3 4 6 --iters 10 --out "$OUT/k3_mini_stages.json"
     ;;

@@ -77,17 +77,14 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     flat = idx.reshape(-1)
     R = batch_invariant_rows()
     if R and first_expert is None:
-        order = jnp.argsort(flat, stable=True)
         if INVARIANT_EXPERTS not in INVARIANT_FORMS:
             raise ValueError(f"moe.INVARIANT_EXPERTS must be one of {INVARIANT_FORMS}, got {INVARIANT_EXPERTS!r}")
-        if INVARIANT_EXPERTS == "kernel" and (kern := grouped_matmul_form(p)) in ("pallas", "pallas_interpret"):
-            # each output row is its own row's product in a fixed order over K: no block loop needed. The N
-            # tile is fixed by the weight's width alone (outside the mode it follows the block count)
-            sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-            return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, kern, bn=gmm.fixed_tile_cols),
-                            w, order, None, T, k)
-        form = _expert_rounds if INVARIANT_EXPERTS == "rounds" else _expert_blocks
-        return _combine(form(p, z, flat, order, k, cfg, R), w, order, None, T, k)
+        # "kernel" where the kernel runs: the grouped matmul below, each output row its own row's products in a
+        # fixed order over K (no block loop), with an N tile fixed by the weight's width (`_expert_kernel`)
+        if INVARIANT_EXPERTS != "kernel" or grouped_matmul_form(p) not in ("pallas", "pallas_interpret"):
+            form = _expert_rounds if INVARIANT_EXPERTS == "rounds" else _expert_blocks
+            order = jnp.argsort(flat, stable=True)
+            return _combine(form(p, z, flat, order, k, cfg, R), w, order, None, T, k)
     local = None
     if first_expert is not None:
         flat = flat - first_expert
@@ -100,7 +97,8 @@ def routed_experts(p: MoEParams, z: jax.Array, idx: jax.Array, w: jax.Array, cfg
     if form == "slabs":
         return _combine(_expert_slabs(p, z, flat, order, sizes, k, cfg), w, order, local, T, k)
     if form in ("pallas", "pallas_interpret"):
-        return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, form), w, order, local, T, k)
+        bn = gmm.fixed_tile_cols if R else None  # in the mode the N tile must not follow the block count
+        return _combine(_expert_kernel(p, z, flat, order, sizes, k, cfg, form, bn=bn), w, order, local, T, k)
     rd = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
     return _combine(_glu_products(rd, z[tok].astype(p.w1.dtype), p.w1, p.w3, p.w2, cfg), w, order, local, T, k)
 

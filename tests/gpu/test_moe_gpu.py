@@ -72,7 +72,7 @@ def test_routed_experts_against_float64(tokens, dtype, grouped, monkeypatch):
 
 def test_kernel_rows_do_not_depend_on_stages_or_other_rows():
     """The grouped-matmul kernel (`pallas_kernels.moe.grouped_matmul`, impl "pallas") at k3-mini's gate
-    width: its output is bit for bit the same with 2, 3, 4 and 6 TMA stages (`moe.STAGES`: the K order never
+    width: its output is bit for bit the same with 2, 3, 4 and 6 TMA stages (`gmm.STAGES`: the K order never
     changes) and within 1e-2 of float64; and a row's output does not change, bit for bit, when the other
     rows of its block, its block's position or the block count change (what the batch-invariant mode's
     "kernel" form relies on), at the mode's fixed N tile."""
