@@ -210,12 +210,13 @@ def main(argv=None):
                     help="with a --batch-invariant row block: expert blocks per loop step of the mode's routed "
                          "experts (`k3jax.model.moe.EXPERT_GROUP`; 1, the default, one block a step); rows marked "
                          "expert_group")
-    ap.add_argument("--invariant-experts", nargs="*", default=["blocks"], choices=list(moe_model.INVARIANT_FORMS),
+    ap.add_argument("--invariant-experts", nargs="*", default=[moe_model.INVARIANT_EXPERTS],
+                    choices=list(moe_model.INVARIANT_FORMS),
                     help="with a --batch-invariant row block: the mode's routed experts "
-                         "(`k3jax.model.moe.INVARIANT_EXPERTS`): blocks = one used expert's block a loop step (the "
-                         "default; --expert-group applies), rounds = every expert's next block a step as one batched "
-                         "product, kernel = the grouped-matmul kernel with a fixed N tile and no loop (bf16 weights "
-                         "on a Hopper GPU; else blocks); rows marked invariant_experts")
+                         "(`k3jax.model.moe.INVARIANT_EXPERTS`, the default): kernel = the grouped-matmul kernel with a "
+                         "fixed N tile and no loop (bf16 weights on a Hopper GPU; else blocks), blocks = one used "
+                         "expert's block a loop step (--expert-group applies), rounds = every expert's next block a "
+                         "step as one batched product; rows marked invariant_experts")
     ap.add_argument("--moe-impl", nargs="*", default=["auto"], choices=["auto", "ragged", "slabs", "pallas"],
                     help="outside the batch-invariant mode: the routed experts' grouped matmul "
                          "(`k3jax.model.moe.GROUPED_MATMUL`): auto = the default (the Mosaic GPU kernel on a Hopper "

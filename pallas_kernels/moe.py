@@ -33,10 +33,10 @@ from pallas_kernels.dispatch import resolve_impl
 BLOCK_ROWS = 64  # one wgmma's M: the rows a block (and a CTA) holds
 BK = 64  # K step: a [64, 64] bf16 A tile and a [64, BN] B tile a stage (128-byte swizzled rows)
 # TMA stages a CTA keeps (`grouped_matmul(stages=None)`): step kk's wgmma runs while the loads of steps
-# kk + 1 .. kk + STAGES - 1 are in flight. 2 ran on the GPU (sessions 19-20: ~0.6 of copy bandwidth at a
-# k3-mini decode step, where 1-2 CTAs an SM wait a TMA latency each K step); more stages are the first
-# tuning step (bench/k3_mini_h200.py --moe-stages).
-STAGES = 2
+# kk + 1 .. kk + STAGES - 1 are in flight. k3-mini decode on an H100 (session 21, device call 21), step ms at
+# batch 1 / 64 / 256: 2 stages 3.70 / 5.64 / 10.51, 3 stages 3.66 / 5.62 / 10.40, 4 3.76 / 5.65 / 10.63, 6 3.70
+# / 5.68 / 10.63 (bench/k3_mini_h200.py --moe-stages). 3 is the fewest within 1% of the fastest everywhere.
+STAGES = 3
 
 
 def grouped_matmul_ref(x, w, block_expert, used_blocks):

@@ -207,17 +207,17 @@ def _combine(y, w, order, local, T: int, k: int):
     return out
 
 
-# The batch-invariant mode's routed experts, read while tracing: "blocks" (`_expert_blocks`: one used expert's
-# block of R rows a loop step, its weights sliced out of the stacked ones), "rounds" (`_expert_rounds`:
-# every expert's next block of R rows a loop step, as one batched product over all the experts' weights,
-# no slicing; ceil(T / R) steps) or "kernel" (the grouped-matmul kernel where `grouped_matmul_form` gives it,
-# with its N tile fixed by the weight's width: a row's output is its own row's products in a fixed order
-# over K, so it needs no loop; elsewhere "blocks"). On an H100 (session 19) the blocks' weight slices were
-# copied each step (dynamic-slice fusions: 6.5 of the mode's 15.2 ms of MoE at batch 64), which rounds
-# avoid; session 20 (H100, k3-mini decode in the mode): rounds 17.5 / 18.4 ms at batch 1 / 64 against
-# blocks' 15.5 / 26.6, so neither wins both and blocks stays. "kernel" has not run on a GPU yet.
+# The batch-invariant mode's routed experts, read while tracing: "kernel" (the default: the grouped-matmul
+# kernel where `grouped_matmul_form` gives it, with its N tile fixed by the weight's width: a row's output is
+# its own row's products in a fixed order over K, so it needs no loop; elsewhere "blocks"), "blocks"
+# (`_expert_blocks`: one used expert's block of R rows a loop step, its weights sliced out of the stacked
+# ones) or "rounds" (`_expert_rounds`: every expert's next block of R rows a loop step, as one batched
+# product over all the experts' weights, no slicing; ceil(T / R) steps). k3-mini decode in the mode on an
+# H100 (session 21, device call 20), ms at batch 1 / 64: kernel 12.9 / 13.1 (moe 1.5 / 2.3), blocks 14.7 /
+# 25.2 (moe 5.2 / 15.3); session 20: rounds 17.5 / 18.4. The kernel passed the mode's tests/gpu test on
+# both paths.
 INVARIANT_FORMS = ("blocks", "rounds", "kernel")
-INVARIANT_EXPERTS = "blocks"
+INVARIANT_EXPERTS = "kernel"
 
 
 # Expert blocks per loop step in the batch-invariant mode (`_expert_blocks`), read while tracing: 1 runs
