@@ -131,6 +131,16 @@ calls() {
    kernel time (launch gaps and host work between a step's kernels). Ran in session 21 (H100, STAGES 2):
    pallas / xla step ms 3.72 / 3.86 (batch 1), 4.42 / 4.76 (16), 5.88 / 7.24 (64), 10.68 / 16.77 (256); in
    the README
+23 the persistent decode (session 21: `mgpu.decode(ctas=P)`, P CTAs each stepping its tiles through two
+   buffers, the next tile's loads and the slot id of the one after in flight while a tile is stepped):
+   tests/gpu's persistent cases (in place against the f32 reference; bit for bit the grid form), then decode
+   at 64, 256, 1024 x 12 and 96 heads, the default against P = 132, 264, 396, fla's two forms in the same
+   run (~6 min) -> tests.txt, kda_persistent.json. Why: against fla's dense form ours is 1.5-3% slower at
+   batch >= 64 on the H100 (call 19), and what ours does that it does not is the slot read before each
+   CTA's state load, and a CTA launch per tile. Prediction: P = 264 (two CTAs an SM) 1-3% faster than the
+   grid form at batch >= 256, level with or faster than fla's dense form; at 64 x 12 (1,536 tiles) within
+   1%. Rule: the persistent form becomes decode's default above the grid size where it wins at every
+   measured batch by > 0.5%, with the P that wins
 EOF
 }
 
@@ -283,6 +293,12 @@ case "$1" in
 22)
     step k3_mini_decode timeout 420 python3 bench/k3_mini_h200.py --batch 1 16 64 256 --impl pallas xla \
         --layouts split --iters 10 --out "$OUT/k3_mini_decode.json"
+    ;;
+23)
+    gpu_tests tests 240 -q tests/gpu/test_kda_gpu.py -n 2 -k "persistent or decode_in_place"
+    step kda_persistent timeout 330 $K --heads 12 96 --decode-batch 64 256 1024 --variant-batch 64 256 1024 \
+        --decode-variants persistent132 persistent264 persistent396 --profile 2 --verify --prefill \
+        --breakdown none --out "$OUT/kda_persistent.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -259,6 +259,12 @@ DECODE_VARIANTS = {
     # ... ending each CTA once its TMA stores have read shared memory (no difference at vt 64, session 9;
     # at batch 1 the store's wait is on the whole kernel's critical path)
     "colwarp8_ro": {"layout": "colwarp8", "vt": 32, "read_only_wait": True},
+    # the persistent form (session 21, not timed): P CTAs, each stepping its tiles through two buffers, the
+    # next tile's loads and the one after's slot read in flight while a tile is stepped (vt 64, colwarp, no
+    # automatic barriers, as the default at batch >= 64); P = 1, 2 or 3 CTAs an SM
+    "persistent132": {"vt": 64, "ctas": 132},
+    "persistent264": {"vt": 64, "ctas": 264},
+    "persistent396": {"vt": 64, "ctas": 396},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
@@ -524,10 +530,12 @@ def main(argv=None):
                 lay = mgpu.layout_label(kw.get("layout"), 128, vt)
                 row = {"op": "decode", "shape": {"batch": N, "heads": H, "K": 128, "V": 128},
                        "variant": {"name": name, "api": kw["api"] or mgpu.default_decode_api(), "vt": vt,
-                                   "tiles": kw["tiles"] or mgpu.decode_tiles(N, H, 128, vt), "layout": lay,
+                                   "tiles": 1 if kw.get("ctas") else kw["tiles"] or mgpu.decode_tiles(N, H, 128, vt),
+                                   "layout": lay,
                                    "auto_barriers": (mgpu.decode_auto_barriers(kw.get("layout"), 128, vt)
                                                      if kw.get("auto_barriers") is None else kw["auto_barriers"]),
-                                   "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)"}}
+                                   "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)",
+                                   "ctas": kw.get("ctas")}}  # None: the grid form; P: the persistent form
                 if name != "default":
                     row["variant_row"] = True
                 try:

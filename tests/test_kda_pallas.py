@@ -384,12 +384,16 @@ def test_fused_prep_reads_logits_not_g(lowered_modules):
         assert ("rsqrt" in prep) == fused
 
 
-@pytest.mark.parametrize("vt,tiles,auto_barriers", [(64, 1, True), (32, 4, True), (64, 2, True), (64, None, True),
-                                                     (64, 2, False), (32, 1, False)])
-def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
+@pytest.mark.parametrize("vt,tiles,auto_barriers,ctas", [(64, 1, True, None), (32, 4, True, None), (64, 2, True, None),
+                                                          (64, None, True, None), (64, 2, False, None),
+                                                          (32, 1, False, None), (64, None, False, 5),
+                                                          (32, 1, True, 1), (64, 1, False, 100)])
+def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers, ctas):
     """The Mosaic GPU decode kernel itself (its TMA loads by slot, barriers, V tiles per CTA and
     stores), run by Mosaic GPU interpret mode on the CPU, against the f32 reference: bf16 inputs,
-    two value heads per q/k head, a reset slot holding NaN (never read), untouched slots unchanged."""
+    two value heads per q/k head, a reset slot holding NaN (never read), untouched slots unchanged.
+    ctas: the persistent form (5 CTAs for 12 tiles: 3, 3, 2, 2, 2 each; one CTA for all 24 32-wide
+    tiles; 100, more CTAs than tiles)."""
     from pallas_kernels.kda import mgpu
     from pallas_kernels.kda.ref import kda_decode_ref
 
@@ -405,7 +409,7 @@ def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers):
         o_r, p_r = kda_decode_ref(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), pool, slots, layer=1,
                                   reset=reset, scale=K**-0.5)
     o, p = mgpu.decode(q, k, v, g, beta, pool, slots, reset, layer=1, scale=K**-0.5, vt=vt, tiles=tiles,
-                       api="scatter", auto_barriers=auto_barriers, interpret=True)
+                       api="scatter", auto_barriers=auto_barriers, ctas=ctas, interpret=True)
     close(o, o_r)
     close(p[slots, 1], p_r[slots, 1])
     np.testing.assert_array_equal(np.asarray(p)[[1, 3]], np.asarray(pool)[[1, 3]])
@@ -494,6 +498,31 @@ def test_verify_steps_as_decode(layout, lowered_modules):
     assert len(dec) > 100 and arith(lowered_modules[-1]) == dec * T
 
 
+def test_persistent_decode_steps_as_the_grid_form(lowered_modules):
+    """The persistent decode (`ctas`) lowers to the grid form's float operations for one tile, in the same
+    order (its loop body steps one tile through the same `step_tile` in the same layout), at vt 64 without
+    the automatic barriers and at vt 32 (replicated warps) with them; tests/gpu checks the bits. The
+    scalar broadcasts (shuffle idx) differ and are left out."""
+    from pallas_kernels.kda import mgpu
+
+    sd = jax.ShapeDtypeStruct
+    N, H, HV, K, V = 4, 2, 4, 128, 128
+    bf, f32 = jnp.bfloat16, jnp.float32
+    args = (sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), f32), sd((N, HV), bf),
+            sd((6, 2, HV, K, V), f32), sd((N,), jnp.int32), sd((N,), bool))
+    for vt, auto in ((64, False), (32, True)):
+        ops = {}
+        for ctas in (None, 7):
+            dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api="scatter", vt=vt, tiles=1, ctas=ctas,
+                                    auto_barriers=auto)
+            _export_cuda(dec, *args)
+            assert ("kda_decode_persistent_mgpu" in lowered_modules[-1]) == (ctas is not None)
+            ops[ctas] = [op for op in _float_ops(lowered_modules[-1]) if op != "nvvm.shfl.sync idx"]
+        assert len(ops[None]) > 100 and ops[7] == ops[None], vt
+    with pytest.raises(ValueError, match="tiles must be 1"):
+        mgpu.decode(*(jnp.zeros(a.shape, a.dtype) for a in args), layer=1, scale=1.0, tiles=2, ctas=4)
+
+
 def test_decode_without_auto_barriers_drops_them(lowered_modules):
     """`mgpu.decode(auto_barriers=False)` lowers with `unsafe_no_auto_barriers`: the Mosaic GPU
     module keeps only the barriers of commit_smem (one per tile) and the prologue, where Pallas
@@ -536,8 +565,12 @@ def test_mosaic_gpu_kernels_lower_for_cuda():
     for api, vt, tiles, lay in ([(a, 64, 1, "wgmma") for a in apis]
                                 + [(apis[-1], 64, 2, "wgmma"), (apis[-1], 32, 4, "wgmma"), (apis[-1], 64, 2, "colwarp"),
                                    (apis[-1], 32, 1, "colwarp"), (apis[-1], 32, 2, "colwarp8"),
-                                   (apis[-1], None, None, None), (apis[-1], 128, 1, None)]):
-        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay)
+                                   (apis[-1], None, None, None), (apis[-1], 128, 1, None)]) + [
+            ("scatter", 64, 1, "persistent"), ("ref", 64, 1, "persistent")][:1 + (apis[-1] == "ref")]:
+        ctas = 6 if lay == "persistent" else None  # the persistent form (JAX 0.10 lowers its scatter api only)
+        lay = None if ctas else lay
+        dec = functools.partial(mgpu.decode, layer=1, scale=K**-0.5, api=api, vt=vt, tiles=tiles, layout=lay,
+                                ctas=ctas)
         e = _export_cuda(dec, sd((N, H, K), bf), sd((N, H, K), bf), sd((N, HV, V), bf), sd((N, HV, K), jnp.float32),
                          sd((N, HV), bf), sd((6, 2, HV, K, V), jnp.float32), sd((N,), jnp.int32), sd((N,), bool))
         assert "mosaic_gpu" in e.mlir_module()

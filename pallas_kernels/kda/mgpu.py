@@ -275,7 +275,7 @@ def decode_tiles(N, HV, V, vt=64):
 
 
 def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles=None, api=None, xla_casts=True,
-           read_only_wait=False, layout=None, auto_barriers=None, interpret=False):
+           read_only_wait=False, layout=None, auto_barriers=None, ctas=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
 
@@ -318,6 +318,14 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     `commit_smem`) holds each tile's stores until every warp has loaded it (opt-in; not yet timed on
     the GPU: the default keeps the automatic barriers there).
 
+    ctas: None (the default): the grid form, one CTA per (sequence, value head, `tiles` V tiles). An int P:
+    the persistent form (session 21, not yet run on a GPU): P CTAs (at most the N x HV x V / vt tiles),
+    CTA p steps tiles p, p + P, p + 2P, ... (sequence-major) through two shared-memory buffers: tile i + 1's
+    loads are in flight while tile i is stepped and stored, and tile i + 2's slot id is read a tile ahead,
+    so neither the slot read nor a CTA's launch sits between a tile's loads and the previous tile's
+    work. Each tile steps exactly as in the grid form (one `step_tile` in the same layout), so the bits
+    are the same (tests/gpu). `tiles` must be 1 (or None).
+
     interpret: Mosaic GPU interpret mode, api "scatter" (the CPU tests run this kernel's tiles and
     barriers there; the "ref" api fails in interpret mode on JAX 0.10.2). It ignores layouts.
     """
@@ -327,6 +335,13 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     G = HV // H
     vt = min(vt or decode_vt(N, HV, V, layout), V)
     auto_barriers = decode_auto_barriers(layout, K, vt) if auto_barriers is None else auto_barriers
+    if ctas is not None:
+        if tiles not in (None, 1):
+            raise ValueError(f"the persistent decode (ctas={ctas}) steps one V tile at a time: tiles must be 1, "
+                             f"got {tiles}")
+        if ctas < 1:
+            raise ValueError(f"decode needs ctas >= 1 (or None for the grid form), got {ctas}")
+        tiles = 1
     tiles = decode_tiles(N, HV, V, vt) if tiles is None else tiles
     if K % 64 or V % (vt * tiles) or vt % 32:
         raise NotImplementedError(f"decode kernel needs K % 64 == 0 and V % {vt * tiles} == 0 (K={K}, V={V})")
@@ -380,6 +395,95 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
             plgpu.copy_smem_to_gmem(s_smem.at[j], dsts[j])
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, span)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+
+    n_tiles = N * HV * (V // vt)
+    P = None if ctas is None else min(ctas, n_tiles)
+
+    def persistent(q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
+        """The persistent form (`ctas`): this CTA's tiles p, p + P, ... in a loop over two buffers."""
+        s_smem, q_smem, k_smem, g_smem, v_smem, o_smem, bar = scr
+        nvt, p = V // vt, lax.axis_index("cta")
+        count = (n_tiles - p + P - 1) // P  # >= 1: p < P <= n_tiles
+
+        def coords(i):  # tile i -> (sequence, value head, first column)
+            n, r = i // (HV * nvt), lax.rem(i, HV * nvt)
+            return n, r // nvt, lax.rem(r, nvt) * vt
+
+        def row_of(i):  # tile i's pool row (a clamped tile past the end: read, never used)
+            n, h, _ = coords(jnp.minimum(i, n_tiles - 1))
+            return (slot_ref[n] * L + layer) * HV + h
+
+        def issue(i, row, b):
+            n, h, v0 = coords(i)
+            plgpu.copy_gmem_to_smem(q_ref.at[n, h // G], q_smem.at[b], bar.at[b])
+            plgpu.copy_gmem_to_smem(k_ref.at[n, h // G], k_smem.at[b], bar.at[b])
+            plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem.at[b], bar.at[b])
+            plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, vt)], v_smem.at[b], bar.at[b])
+            plgpu.copy_gmem_to_smem(src_ref.at[row, :, pl.ds(v0, vt)], s_smem.at[b], bar.at[b])
+
+        row0 = row_of(p)
+        issue(p, row0, 0)
+
+        def body(c, row_next):  # row_next: the pool row of this CTA's tile c + 1
+            b, i = lax.rem(c, 2), p + c * P
+
+            @pl.when(c + 1 < count)
+            def _():  # tile c + 1 into the other buffer, once tile c - 1's stores have read it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                issue(i + P, row_next, 1 - b)
+
+            row_after = row_of(i + 2 * P)  # read now, used a tile later
+            row = row_of(i) if dst_ref is None else None  # in place: tile c's own row (read before the wait)
+            n, h, v0 = coords(i)
+            bt = b_ref[n, h].astype(f32)
+            rs = reset_ref[n]
+            plgpu.barrier_wait(bar.at[b])
+            ld = lambda ref, layout: (ref[...] if interpret else load_tile(ref, layout)).astype(f32)
+            qv = ld(q_smem.at[b], RL)
+            if scale != 1.0:
+                qv = qv * scale
+            S = jnp.where(rs != 0, 0.0, ld(s_smem.at[b], TL))
+            o, S = step_tile(S, qv, ld(k_smem.at[b], RL), ld(g_smem.at[b], RL), ld(v_smem.at[b], CL), bt,
+                             layout=None if interpret else step_layout)
+            if replica_barrier:
+                plgpu.commit_smem()
+            s_smem.at[b][...] = S
+            o_smem.at[b][...] = o
+            plgpu.commit_smem()
+            dst = src_ref.at[row, :, pl.ds(v0, vt)] if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
+            plgpu.copy_smem_to_gmem(s_smem.at[b], dst)
+            plgpu.copy_smem_to_gmem(o_smem.at[b], o_ref.at[n, h, pl.ds(v0, vt)])
+            return row_after
+
+        lax.fori_loop(0, count, body, row_of(p + P))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=read_only_wait)
+
+    if P is not None:
+        pscratch = [
+            plgpu.SMEM((2, K, vt), jnp.float32, **({} if interpret else _f32_tiled())),
+            plgpu.SMEM((2, K), q.dtype),
+            plgpu.SMEM((2, K), k.dtype),
+            plgpu.SMEM((2, K), g.dtype),
+            plgpu.SMEM((2, vt), v.dtype),
+            plgpu.SMEM((2, vt), jnp.float32),
+            plgpu.Barrier(num_arrivals=5, num_barriers=2),
+        ]
+        o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
+        ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
+        interp = {"interpret": _gpu_interpret_params()} if interpret else {}
+        kw = dict(grid=(P,), grid_names=("cta",), scratch_types=pscratch, compiler_params=params,
+                  kernel_name="kda_decode_persistent_mgpu", **interp)
+        if api == "ref":
+            pool_ref = jax.new_ref(pool3)
+            o = plgpu.kernel(lambda *r: persistent(*r[:7], r[8], r[7], None, *r[9:]), out_type=o_type, **kw)(
+                *ins, pool_ref)
+            return o, pool_ref[...].reshape(pool.shape)
+        if api == "scatter":
+            o, new = plgpu.kernel(
+                lambda *r: persistent(*r[:7], r[8], r[7], r[9], *r[10:]),
+                out_type=[o_type, jax.ShapeDtypeStruct((N * HV, K, V), jnp.float32)], **kw)(*ins, pool3)
+            return o, pool.at[slots, layer].set(new.reshape(N, HV, K, V))
+        raise ValueError(f"the persistent decode takes api 'ref' or 'scatter', got {api!r}")
 
     scratch = [
         plgpu.SMEM((tiles, K, vt), jnp.float32, **({} if interpret else _f32_tiled())),

@@ -56,7 +56,10 @@ _OPTS = [dict(vt=64, tiles=2, layout="wgmma"), dict(vt=64, tiles=1, layout="wgmm
          dict(vt=32, tiles=1, auto_barriers=False), dict(vt=32, tiles=2, auto_barriers=False),
          # the colwarp8 layout (8 columns a warp, vt 32; session 12: not yet run on the GPU)
          dict(vt=32, tiles=1, layout="colwarp8"), dict(vt=32, tiles=2, layout="colwarp8"),
-         dict(vt=32, tiles=4, layout="colwarp8", auto_barriers=True)]
+         dict(vt=32, tiles=4, layout="colwarp8", auto_barriers=True),
+         # the persistent form (session 21: not yet run on the GPU): 528 tiles over 7 CTAs (76 or 75 each),
+         # two a CTA, and 32-wide tiles (replicated warps, with the automatic barriers) over 50 CTAs
+         dict(vt=64, ctas=7), dict(vt=64, ctas=264), dict(vt=32, ctas=50)]
 
 
 @pytest.mark.parametrize("N,H,HV,opts", [(1, 12, 12, _DEFAULT), (1, 96, 96, _DEFAULT), (256, 12, 12, _DEFAULT),
@@ -247,6 +250,28 @@ def test_verify_fold_without_auto_barriers(layout):
     o, new, N = _verify_fold_bits(layout, {a: dict(auto_barriers=a) for a in (True, False)})
     np.testing.assert_array_equal(o[False], o[True])
     np.testing.assert_array_equal(new[False][:N + 1], new[True][:N + 1])  # the sink slot's value is unspecified
+
+
+@pytest.mark.parametrize("N,HV,vt,ctas", [(64, 12, 64, 264), (256, 12, 64, 132), (1, 96, 64, 132), (5, 12, 32, 17)])
+def test_persistent_decode_bitwise_equal_grid(N, HV, vt, ctas):
+    """The persistent decode (`mgpu.decode(ctas=)`, session 21) gives the grid form's outputs and states bit
+    for bit (one `step_tile` in one layout: the verify + fold kernels' bitwise match with decode then
+    holds for it too), in place by slot, with reset slots."""
+    from pallas_kernels.kda import mgpu
+
+    q, k, v, g, beta = make(jax.random.key(np.random.randint(1 << 30)), (N,), HV, HV)
+    NS = N + 3
+    pool = jax.random.normal(jax.random.key(1), (NS, 2, HV, 128, 128), jnp.float32) * 0.05
+    slots = jax.random.permutation(jax.random.key(2), NS)[:N].astype(jnp.int32)
+    reset = jnp.arange(N) % 3 == 1
+    res = {}
+    for c in (None, ctas):
+        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5, vt=vt, tiles=1, ctas=c),
+                     donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool + 0.0, slots, reset)
+        res[c] = np.asarray(o), np.asarray(p)
+    np.testing.assert_array_equal(res[ctas][0], res[None][0])
+    np.testing.assert_array_equal(res[ctas][1], res[None][1])
 
 
 @pytest.mark.parametrize("layout", [None, "colwarp8"])
