@@ -141,6 +141,14 @@ calls() {
    grid form at batch >= 256, level with or faster than fla's dense form; at 64 x 12 (1,536 tiles) within
    1%. Rule: the persistent form becomes decode's default above the grid size where it wins at every
    measured batch by > 0.5%, with the P that wins
+24 the batch-invariant mode's projections on the grouped-matmul kernel (session 21: `common.INVARIANT_PROJ =
+   "auto"`, one group, the N tile fixed by the width, no row-block loop; call 20's profile put 6-8 ms of the
+   mode's step in the loops' cuBLAS GEMMs and copies): tests/gpu/test_engine_gpu.py's "kernel_proj" mode cases
+   (bf16 k3-tiny, both paths), then k3-mini decode at batch 1 and 64 without the mode and in it with the
+   projections in blocks and on the kernel (~6 min) -> tests.txt, k3_mini_proj_mode.json. Prediction: both
+   pass (the kernel's rows were bit for bit alone and among others in call 21) and the mode's step drops
+   from ~12.9 / 13.1 ms to ~7-8 ms at batch 1 / 64 ("other" from 7.6 / 6.2 to ~3). Rule: "auto" becomes the
+   default if the tests pass and it is faster at both batches
 EOF
 }
 
@@ -299,6 +307,12 @@ case "$1" in
     step kda_persistent timeout 330 $K --heads 12 96 --decode-batch 64 256 1024 --variant-batch 64 256 1024 \
         --decode-variants persistent132 persistent264 persistent396 --profile 2 --verify --prefill \
         --breakdown none --out "$OUT/kda_persistent.json"
+    ;;
+24)
+    T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels
+    gpu_tests tests 300 -q "$T[pallas-kernel_proj]" "$T[xla-kernel_proj]" -n 2
+    step k3_mini_proj_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --invariant-proj blocks auto --iters 10 --out "$OUT/k3_mini_proj_mode.json"
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -6,7 +6,19 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from pallas_kernels.dispatch import rowwise
+from pallas_kernels import moe as gmm
+from pallas_kernels.dispatch import batch_invariant_rows, resolve_impl, rowwise
+
+# The batch-invariant mode's projections (`proj`), read while tracing: "blocks" (the default until a GPU run
+# decides): `rowwise` row-block loops. "auto" runs them on the grouped-matmul
+# kernel (`pallas_kernels/moe.py`, one group, the N tile fixed by the weight's width) where it runs (a Hopper
+# GPU, bf16 weights whose shape it tiles), with no row-block loop: each output row is its own row's products
+# over K in a fixed order, whatever the other rows or the grid (as the mode's routed experts, session 20);
+# elsewhere the blocks. "pallas_interpret": the kernel in interpret mode (CPU tests). Session 21, not yet run
+# on a GPU (device call 24): the mode's k3-mini step spent ~6-8 ms (H100) in the row-block loops' cuBLAS GEMMs
+# and copies.
+INVARIANT_PROJ_FORMS = ("auto", "blocks", "pallas_interpret")
+INVARIANT_PROJ = "blocks"
 
 
 def dtype_of(cfg: ModelConfig):
@@ -38,9 +50,31 @@ def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def proj(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D] @ w [D, X] in the weight's dtype with f32 accumulation (`rowwise` over x's leading axis)."""
+    """x [..., D] @ w [D, X] in the weight's dtype with f32 accumulation (`rowwise` over x's leading axis; in
+    the batch-invariant mode on the grouped-matmul kernel where `INVARIANT_PROJ` gives it)."""
+    impl = _proj_kernel(w) if batch_invariant_rows() else None
+    if impl is not None:
+        D, X = w.shape
+        rows = x.reshape(-1, D).astype(w.dtype)
+        M = rows.shape[0]
+        NB = max(1, -(-M // gmm.BLOCK_ROWS))
+        rows = jnp.pad(rows, ((0, NB * gmm.BLOCK_ROWS - M), (0, 0)))
+        y = gmm.grouped_matmul(rows, w[None], jnp.zeros((NB,), jnp.int32), jnp.full((1,), NB, jnp.int32), impl=impl,
+                               bn=gmm.fixed_tile_cols(X))
+        return y[:M].reshape(*x.shape[:-1], X).astype(w.dtype)
     return rowwise(lambda x: jnp.einsum("...d,dx->...x", x.astype(w.dtype), w,
                                         preferred_element_type=jnp.float32).astype(w.dtype), x)
+
+
+def _proj_kernel(w: jax.Array) -> str | None:
+    """The grouped-matmul kernel's impl for the mode's product with w [D, X] (`INVARIANT_PROJ`), or None."""
+    if INVARIANT_PROJ not in INVARIANT_PROJ_FORMS:
+        raise ValueError(f"common.INVARIANT_PROJ must be one of {INVARIANT_PROJ_FORMS}, got {INVARIANT_PROJ!r}")
+    if INVARIANT_PROJ == "blocks" or w.ndim != 2 or w.dtype != jnp.bfloat16 or not gmm.tiles(*w.shape):
+        return None
+    if INVARIANT_PROJ == "pallas_interpret":
+        return "pallas_interpret"
+    return "pallas" if resolve_impl("auto", "moe_grouped_matmul") == "pallas" else None
 
 
 def layer_slice(tree, i: int):

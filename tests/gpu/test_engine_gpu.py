@@ -174,7 +174,7 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     assert got == want, json.dumps(parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want))
 
 
-@pytest.mark.parametrize("experts", ["blocks", "rounds", "kernel"])
+@pytest.mark.parametrize("experts", ["blocks", "rounds", "kernel", "kernel_proj"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
@@ -185,15 +185,20 @@ def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     the CPU); then the engine workload's speculative tokens equal plain decoding's in the mode. With both
     forms of the mode's routed experts (`moe.INVARIANT_EXPERTS`; "rounds" since session 19; "kernel", the
     grouped-matmul kernel with no loop, since session 20, on a bf16 copy of the model: the kernel takes bf16
-    weights only)."""
+    weights only; "kernel_proj": the projections on that kernel too, `common.INVARIANT_PROJ = "auto"`,
+    session 21)."""
     from bench.batch_invariance import parted_requests, step_rows
     from k3jax.config import BATCH_INVARIANT_ROWS
     from k3jax.model import moe
 
-    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts)  # read while tracing: a fresh model name below
+    from k3jax.model import common
+
+    # read while tracing: a fresh model name below
+    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts.removesuffix("_proj"))
+    monkeypatch.setattr(common, "INVARIANT_PROJ", "auto" if experts == "kernel_proj" else "blocks")
     cfg = model.config.replace(name=f"{model.config.name}-{experts}")
     m = dataclasses.replace(model, impl=impl, config=cfg)
-    if experts == "kernel":
+    if experts.startswith("kernel"):
         cfg = cfg.replace(dtype="bfloat16")
         full = init_params(cfg, 0)
         assert moe.grouped_matmul_form(jax.tree.map(lambda a: a[0], full.moe)) == "pallas"  # a Hopper GPU
