@@ -358,6 +358,24 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     # colwarp's vt-32 form: two warps replicate two others and load and store the same state elements, so
     # without the automatic barriers one barrier must hold every store until all replicas have loaded
     replica_barrier = not auto_barriers and layout_label(layout, K, vt) == "colwarp_replicated"
+    ld = lambda ref, layout: (ref[...] if interpret else load_tile(ref, layout)).astype(f32)
+
+    def vectors(q_s, k_s, g_s):
+        """q (scaled), k and g of a (sequence, head) from shared memory, in the layout of the state's rows."""
+        qv = ld(q_s, RL)
+        if scale != 1.0:
+            qv = qv * scale
+        return qv, ld(k_s, RL), ld(g_s, RL)
+
+    def step_in_smem(s_s, v_s, vecs, bt, rs):
+        """One state tile stepped in place in shared memory (zeros for a reset slot, whose values are
+        discarded) -> its output columns. Both forms of the kernel step through this."""
+        S = jnp.where(rs != 0, 0.0, ld(s_s, TL))
+        o, S = step_tile(S, *vecs, ld(v_s, CL), bt, layout=None if interpret else step_layout)
+        if replica_barrier:  # every warp has its tile in registers before any stores
+            plgpu.commit_smem()
+        s_s[...] = S
+        return o
 
     def step(n, h, v0, q_ref, k_ref, v_ref, g_ref, b_ref, slot_ref, reset_ref, o_ref, src_ref, dst_ref, *scr):
         hq = h // G
@@ -377,20 +395,10 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
         bt = b_ref[n, h].astype(f32)
         rs = reset_ref[n]
         plgpu.barrier_wait(vbar.at[0])
-        ld = lambda ref, layout: (ref[...] if interpret else load_tile(ref, layout)).astype(f32)
-        qv = ld(q_smem, RL)
-        if scale != 1.0:
-            qv = qv * scale
-        kv, gv = ld(k_smem, RL), ld(g_smem, RL)
+        vecs = vectors(q_smem, k_smem, g_smem)
         for j in range(tiles):
             plgpu.barrier_wait(tbar.at[j])
-            S = jnp.where(rs != 0, 0.0, ld(s_smem.at[j], TL))  # a reset slot's values are discarded
-            o, S = step_tile(S, qv, kv, gv, ld(v_smem.at[pl.ds(j * vt, vt)], CL), bt,
-                             layout=None if interpret else step_layout)
-            if replica_barrier:  # every warp has its tile in registers before any stores
-                plgpu.commit_smem()
-            s_smem.at[j][...] = S
-            o_smem[pl.ds(j * vt, vt)] = o
+            o_smem[pl.ds(j * vt, vt)] = step_in_smem(s_smem.at[j], v_smem.at[pl.ds(j * vt, vt)], vecs, bt, rs)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(s_smem.at[j], dsts[j])
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, pl.ds(v0, span)])
@@ -438,17 +446,8 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
             bt = b_ref[n, h].astype(f32)
             rs = reset_ref[n]
             plgpu.barrier_wait(bar.at[b])
-            ld = lambda ref, layout: (ref[...] if interpret else load_tile(ref, layout)).astype(f32)
-            qv = ld(q_smem.at[b], RL)
-            if scale != 1.0:
-                qv = qv * scale
-            S = jnp.where(rs != 0, 0.0, ld(s_smem.at[b], TL))
-            o, S = step_tile(S, qv, ld(k_smem.at[b], RL), ld(g_smem.at[b], RL), ld(v_smem.at[b], CL), bt,
-                             layout=None if interpret else step_layout)
-            if replica_barrier:
-                plgpu.commit_smem()
-            s_smem.at[b][...] = S
-            o_smem.at[b][...] = o
+            vecs = vectors(q_smem.at[b], k_smem.at[b], g_smem.at[b])
+            o_smem.at[b][...] = step_in_smem(s_smem.at[b], v_smem.at[b], vecs, bt, rs)
             plgpu.commit_smem()
             dst = src_ref.at[row, :, pl.ds(v0, vt)] if dst_ref is None else dst_ref.at[n * HV + h, :, pl.ds(v0, vt)]
             plgpu.copy_smem_to_gmem(s_smem.at[b], dst)
