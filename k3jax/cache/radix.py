@@ -8,10 +8,10 @@ checkpoints on the nodes (host side, no jax).
 - Locks (`lock`/`unlock`, counted along the path to the root) keep a running request's KV alive;
   pins (`pin_ckpt`) keep a checkpoint alive until the step that restores from it is issued.
 - Checkpoints are kept sparse: a new checkpoint supersedes the ones above it on non-branching
-  nodes, a per-path cap bounds the rest (LRU), and slot pressure evicts LRU checkpoints. Evicting
-  only a checkpoint leaves a
-  tombstone (the KV stays, a later match replays from a shallower checkpoint). Evicting KV removes
-  unlocked leaves, least recently used first, with their checkpoints.
+  nodes, a per-path cap bounds the rest on every root-to-leaf path (LRU), and slot pressure evicts
+  LRU checkpoints. Evicting only a checkpoint leaves a tombstone (the KV stays, a later match replays
+  from a shallower checkpoint). Evicting KV removes unlocked leaves, least recently used first, with
+  their checkpoints.
 """
 
 from __future__ import annotations
@@ -190,14 +190,36 @@ class RadixTree:
         # checkpoints serve several paths and stay
         freed = [self._drop_ckpt(n) for n in on_path
                  if self.supersede and not n.branch and len(n.children) <= 1 and n.pins == 0]
-        on_path = [n for n in on_path if n.ckpt is not None]
-        excess = len(on_path) + 1 - self.max_ckpt_per_path
-        for victim in sorted((n for n in on_path if n.pins == 0), key=lambda n: n.last_access)[:max(excess, 0)]:
-            freed.append(self._drop_ckpt(victim))
+        # the cap holds on every root-to-leaf path through the node: a checkpoint planted above deeper
+        # ones (a shorter prompt after a longer one) counts on their paths too. The least recently used
+        # unpinned ones of the fullest path go, never the new one; pinned ones may keep a path over the cap
+        while True:
+            path = [n for n in on_path if n.ckpt is not None] + self._fullest_path_below(node)
+            excess = len(path) + 1 - self.max_ckpt_per_path
+            victims = sorted((n for n in path if n.pins == 0), key=lambda n: (n.last_access, n.serial))[:max(excess, 0)]
+            if not victims:
+                break
+            freed += [self._drop_ckpt(v) for v in victims]
         if self.max_checkpoints is not None and len(self.ckpt_nodes) > self.max_checkpoints:
             self.touch(node)  # the newest checkpoint is not the victim
             freed += self.evict_checkpoints(len(self.ckpt_nodes) - self.max_checkpoints)
         return freed
+
+    @staticmethod
+    def _fullest_path_below(node: Node) -> list[Node]:
+        """The checkpoint nodes of the downward path from `node` (itself excluded) that holds the most."""
+        if not node.children:
+            return []
+        order, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        chain: dict[Node, list[Node]] = {}
+        for n in reversed(order):  # children before their parents
+            below = max((chain.pop(c) for c in n.children.values()), key=len, default=[])
+            chain[n] = [n] + below if n.ckpt is not None and n is not node else below
+        return chain[node]
 
     def _drop_ckpt(self, node: Node) -> int:
         slot, node.ckpt, node.branch = node.ckpt, None, False
