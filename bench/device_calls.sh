@@ -140,7 +140,10 @@ calls() {
    CTA's state load, and a CTA launch per tile. Prediction: P = 264 (two CTAs an SM) 1-3% faster than the
    grid form at batch >= 256, level with or faster than fla's dense form; at 64 x 12 (1,536 tiles) within
    1%. Rule: the persistent form becomes decode's default above the grid size where it wins at every
-   measured batch by > 0.5%, with the P that wins
+   measured batch by > 0.5%, with the P that wins. Ran in session 22 (H100, results/session22/): 26 tests
+   passed (the "ref" api in place; bit for bit the grid form); every P 1.7-3.5% slower than the grid form at
+   batch >= 256 and 64 x 96, within 2% at 64 x 12 (kernel us 64 x 12: 37.8 grid, 37.1 at P = 396; fla dense
+   36.3): not adopted, `ctas=` stays opt-in
 24 the batch-invariant mode's projections on the grouped-matmul kernel (session 21: `common.INVARIANT_PROJ =
    "auto"`, one group, the N tile fixed by the width, no row-block loop; call 20's profile put 6-8 ms of the
    mode's step in the loops' cuBLAS GEMMs and copies): tests/gpu/test_engine_gpu.py's "kernel_proj" mode cases
@@ -148,7 +151,13 @@ calls() {
    projections in blocks and on the kernel (~6 min) -> tests.txt, k3_mini_proj_mode.json. Prediction: both
    pass (the kernel's rows were bit for bit alone and among others in call 21) and the mode's step drops
    from ~12.9 / 13.1 ms to ~7-8 ms at batch 1 / 64 ("other" from 7.6 / 6.2 to ~3). Rule: "auto" becomes the
-   default if the tests pass and it is faster at both batches
+   default if the tests pass and it is faster at both batches. Ran in session 22 (H100): the tests did not
+   finish (300 s under -n 2; the pallas case alone > 290 s: compile-bound); step 10.22 / 11.35 ms against
+   blocks' 13.70 / 13.88 (the projections' kernel runs N / 128 CTAs at batch <= 64): stays "blocks"
+25 the "kernel_proj" mode case on the Pallas path alone, with a 560 s limit and the slowest phases named
+   (--durations): whether it passes at all, and how long it takes (call 24's runs did not finish in 290 s)
+   (~10 min) -> tests.txt. Then call 26 for the XLA path's case
+26 call 25 for the XLA path's case (~10 min) -> tests.txt
 EOF
 }
 
@@ -313,6 +322,11 @@ case "$1" in
     gpu_tests tests 300 -q "$T[pallas-kernel_proj]" "$T[xla-kernel_proj]" -n 2
     step k3_mini_proj_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-proj blocks auto --iters 10 --out "$OUT/k3_mini_proj_mode.json"
+    ;;
+25|26)
+    T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels
+    case "$1" in 25) P=pallas ;; *) P=xla ;; esac
+    gpu_tests tests 560 -q "$T[$P-kernel_proj]" --durations=5
     ;;
 *)
     echo "unknown call '$1'"; calls; exit 2

@@ -259,9 +259,10 @@ DECODE_VARIANTS = {
     # ... ending each CTA once its TMA stores have read shared memory (no difference at vt 64, session 9;
     # at batch 1 the store's wait is on the whole kernel's critical path)
     "colwarp8_ro": {"layout": "colwarp8", "vt": 32, "read_only_wait": True},
-    # the persistent form (session 21, not timed): P CTAs, each stepping its tiles through two buffers, the
-    # next tile's loads and the one after's slot read in flight while a tile is stepped (vt 64, colwarp, no
-    # automatic barriers, as the default at batch >= 64); P = 1, 2 or 3 CTAs an SM
+    # the persistent form (session 21; 1.7-3.5% slower than the default at batch >= 256, H100 session 22):
+    # P CTAs, each stepping its tiles through two buffers, the next tile's loads and the one after's slot
+    # read in flight while a tile is stepped (vt 64, colwarp, no automatic barriers, as the default at
+    # batch >= 64); P = 1, 2 or 3 CTAs an SM
     "persistent132": {"vt": 64, "ctas": 132},
     "persistent264": {"vt": 64, "ctas": 264},
     "persistent396": {"vt": 64, "ctas": 396},

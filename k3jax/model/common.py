@@ -14,9 +14,10 @@ from pallas_kernels.dispatch import batch_invariant_rows, resolve_impl, rowwise
 # kernel (`pallas_kernels/moe.py`, one group, the N tile fixed by the weight's width) where it runs (a Hopper
 # GPU, bf16 weights whose shape it tiles), with no row-block loop: each output row is its own row's products
 # over K in a fixed order, whatever the other rows or the grid (as the mode's routed experts, session 20);
-# elsewhere the blocks. "pallas_interpret": the kernel in interpret mode (CPU tests). Session 21, not yet run
-# on a GPU (device call 24): the mode's k3-mini step spent ~6-8 ms (H100) in the row-block loops' cuBLAS GEMMs
-# and copies.
+# elsewhere the blocks. "pallas_interpret": the kernel in interpret mode (CPU tests). Session 21. Device call
+# 24 (session 22, H100): the mode's k3-mini step 10.2 / 11.4 ms against the blocks' 13.7 / 13.9 at batch 1 /
+# 64. The GPU tests did not finish in 290 s (compile-bound), and a projection runs on only N / 128 CTAs at
+# batch <= 64 (one row block), so it stays opt-in (bench/NOTES.md, session 22).
 INVARIANT_PROJ_FORMS = ("auto", "blocks", "pallas_interpret")
 INVARIANT_PROJ = "blocks"
 

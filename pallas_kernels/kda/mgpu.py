@@ -319,7 +319,8 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     the GPU: the default keeps the automatic barriers there).
 
     ctas: None (the default): the grid form, one CTA per (sequence, value head, `tiles` V tiles). An int P:
-    the persistent form (session 21, not yet run on a GPU): P CTAs (at most the N x HV x V / vt tiles),
+    the persistent form (session 21; measured 1.7-3.5% slower than the grid form at batch >= 256 on an H100,
+    session 22, so opt-in): P CTAs (at most the N x HV x V / vt tiles),
     CTA p steps tiles p, p + P, p + 2P, ... (sequence-major) through two shared-memory buffers: tile i + 1's
     loads are in flight while tile i is stepped and stored, and tile i + 2's slot id is read a tile ahead,
     so neither the slot read nor a CTA's launch sits between a tile's loads and the previous tile's
