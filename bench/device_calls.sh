@@ -154,10 +154,19 @@ calls() {
    default if the tests pass and it is faster at both batches. Ran in session 22 (H100): the tests did not
    finish (300 s under -n 2; the pallas case alone > 290 s: compile-bound); step 10.22 / 11.35 ms against
    blocks' 13.70 / 13.88 (the projections' kernel runs N / 128 CTAs at batch <= 64): stays "blocks"
-25 the "kernel_proj" mode case on the Pallas path alone, with a 560 s limit and the slowest phases named
+25 the mode's projections with K splits (session 22: `gmm.fixed_k_splits`, K cut by the weight's shape alone
+   so a projection's one row block runs on ~one CTA an SM, the partials added in a fixed order):
+   tests/gpu/test_moe_gpu.py's kernel-rows test (a row's bits alone and among others, K in one range and in
+   four splits), then k3-mini decode at batch 1 and 64 without the mode and in it with the projections in
+   blocks and on the kernel (~6 min) -> tests.txt, k3_mini_proj_split.json. Why: call 24's projections on
+   the kernel took ~2.9 ms of the step at batch 1 on N / 128 CTAs (12 for a 7168 -> 1536 weight).
+   Prediction: the test passes; the projections go from ~2.9 ms to ~0.7 and the mode's step from 10.2 /
+   11.4 ms to ~8 / ~9. Rule: with calls 26 and 27 passing, "auto" becomes the default if it is faster than
+   blocks at both batches
+26 the "kernel_proj" mode case on the Pallas path alone, with a 560 s limit and the slowest phases named
    (--durations): whether it passes at all, and how long it takes (call 24's runs did not finish in 290 s)
-   (~10 min) -> tests.txt. Then call 26 for the XLA path's case
-26 call 25 for the XLA path's case (~10 min) -> tests.txt
+   (~10 min) -> tests.txt. Then call 27 for the XLA path's case
+27 call 26 for the XLA path's case (~10 min) -> tests.txt
 EOF
 }
 
@@ -323,9 +332,14 @@ case "$1" in
     step k3_mini_proj_mode timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-proj blocks auto --iters 10 --out "$OUT/k3_mini_proj_mode.json"
     ;;
-25|26)
+25)
+    gpu_tests tests 120 -q tests/gpu/test_moe_gpu.py::test_kernel_rows_do_not_depend_on_stages_or_other_rows
+    step k3_mini_proj_split timeout 400 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
+        --batch-invariant 0 128 --invariant-proj blocks auto --iters 10 --out "$OUT/k3_mini_proj_split.json"
+    ;;
+26|27)
     T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels
-    case "$1" in 25) P=pallas ;; *) P=xla ;; esac
+    case "$1" in 26) P=pallas ;; *) P=xla ;; esac
     gpu_tests tests 560 -q "$T[$P-kernel_proj]" --durations=5
     ;;
 *)

@@ -16,8 +16,8 @@ block and skips the unused blocks on the device. Each output tile is computed by
 block's rows with a fixed reduction order over K, whatever the other blocks hold.
 
 impl: "xla" (`grouped_matmul_ref`: each block against its expert's gathered weights), "pallas" (Mosaic GPU,
-sm_90: one CTA per (block, N tile), K in steps of `BK` through `STAGES` TMA stages, wgmma into an f32
-accumulator), "pallas_interpret" (the same kernel in Mosaic GPU interpret mode, CPU tests).
+sm_90: one CTA per (block, N tile, K split: `k_splits`, 1 unless asked), K in steps of `BK` through `STAGES`
+TMA stages, wgmma into an f32 accumulator), "pallas_interpret" (the same kernel in Mosaic GPU interpret mode, CPU tests).
 """
 
 from __future__ import annotations
@@ -62,26 +62,44 @@ def fixed_tile_cols(N: int) -> int:
     return 128 if N % 128 == 0 else 64
 
 
-def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: int, interpret: bool):
+MIN_SPLIT_STEPS = 4  # K steps a split keeps at least (`fixed_k_splits`): enough for the stages to overlap
+
+
+def fixed_k_splits(K: int, N: int) -> int:
+    """A K split for the batch-invariant mode's one-group products (`common.proj`) that depends on the
+    weight's shape alone: the most equal ranges of at least `MIN_SPLIT_STEPS` K steps, as many as bring the
+    N tiles (`fixed_tile_cols`) up to one CTA an SM. At batch <= 64 a projection is one row block, so
+    without a split a [7168, 1536] weight streams through 12 CTAs (a tenth of an H100's bandwidth, device
+    call 24); with it, 8 splits of 14 steps, 96 CTAs."""
+    from pallas_kernels.kda.mgpu import _SMS
+
+    nk, want = K // BK, -(-_SMS // (N // fixed_tile_cols(N)))
+    return max(d for d in range(1, nk + 1) if d == 1 or (nk % d == 0 and d <= want and nk // d >= MIN_SPLIT_STEPS))
+
+
+def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: int, splits: int, interpret: bool):
+    """-> [splits, M, N] f32: each K range's partial products."""
     from pallas_kernels.kda.mgpu import WGMMA, _bf16_tiled, _gpu_interpret_params
 
     M, K = x.shape
     N = w.shape[-1]
-    NB, nk = M // BLOCK_ROWS, K // BK
+    NB, nk = M // BLOCK_ROWS, K // BK // splits  # nk: the K steps of one split
     f32 = jnp.float32
     tiled = (lambda cols: {}) if interpret else _bf16_tiled
 
     def kernel(x_ref, w_ref, be_ref, nb_ref, y_ref, x_s, w_s, o_s, bar):
-        b = lax.axis_index("blk")
+        b, s = lax.axis_index("blk"), lax.axis_index("ksplit")
         n0 = lax.axis_index("ntile") * bn
+        k0 = s * nk  # this split's first K step
         e = be_ref[b]
         rows = pl.ds(b * BLOCK_ROWS, BLOCK_ROWS)
 
         @pl.when(b < nb_ref[0])
         def _():
             def issue(kk, slot):
-                plgpu.copy_gmem_to_smem(x_ref.at[rows, pl.ds(kk * BK, BK)], x_s.at[slot], bar.at[slot])
-                plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(kk * BK, BK), pl.ds(n0, bn)], w_s.at[slot], bar.at[slot])
+                kcols = pl.ds((k0 + kk) * BK, BK)
+                plgpu.copy_gmem_to_smem(x_ref.at[rows, kcols], x_s.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[e, kcols, pl.ds(n0, bn)], w_s.at[slot], bar.at[slot])
 
             for j in range(min(stages - 1, nk)):  # the first stages - 1 steps' loads
                 issue(j, j)
@@ -107,14 +125,14 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: in
             acc = lax.fori_loop(0, nk, body, zero if interpret else plgpu.layout_cast(zero, WGMMA))
             o_s[...] = acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, y_ref.at[rows, pl.ds(n0, bn)])
+            plgpu.copy_smem_to_gmem(o_s, y_ref.at[s, rows, pl.ds(n0, bn)])
             plgpu.wait_smem_to_gmem(0)
 
     f = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((M, N), f32),
-        grid=(NB, N // bn),
-        grid_names=("blk", "ntile"),
+        out_type=jax.ShapeDtypeStruct((splits, M, N), f32),
+        grid=(NB, N // bn, splits),
+        grid_names=("blk", "ntile", "ksplit"),
         scratch_types=[
             plgpu.SMEM((stages, BLOCK_ROWS, BK), x.dtype, **tiled(BK)),
             plgpu.SMEM((stages, BK, bn), w.dtype, **tiled(bn)),
@@ -129,10 +147,13 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: in
 
 
 def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: int | None = None,
-                   stages: int | None = None):
+                   stages: int | None = None, k_splits: int = 1):
     """See the module docstring. x and w bf16 for the kernel (f32 goes through the reference). bn: the N
     tile (None: `_tile_cols`); stages: TMA stages (None: `STAGES`), at least 2. Neither changes a bit of
-    the output: every tile sums over K in the same order."""
+    the output: every tile sums over K in the same order. k_splits: the kernel's K steps cut into this many
+    equal ranges, a CTA each, whose f32 partials are then added in order 0, 1, ... (more CTAs for a grid of
+    few blocks and N tiles; a row's bits depend on the split count and never on the other rows; the
+    reference path sums over K in one go)."""
     M, K = x.shape
     E, K2, N = w.shape
     NB = block_expert.shape[0]
@@ -148,5 +169,11 @@ def grouped_matmul(x, w, block_expert, used_blocks, *, impl: str = "xla", bn: in
         raise ValueError(f"grouped_matmul: K = {K} must be a multiple of {BK} and N = {N} of {bn}")
     if stages < 2:
         raise ValueError(f"grouped_matmul: stages must be >= 2 (one step's wgmma, one step's loads), got {stages}")
-    return _grouped_matmul_mgpu(x, w, block_expert.astype(jnp.int32), used_blocks.astype(jnp.int32), bn=bn,
-                                stages=stages, interpret=impl == "pallas_interpret")
+    if k_splits < 1 or (K // BK) % k_splits:
+        raise ValueError(f"grouped_matmul: k_splits = {k_splits} must divide the {K // BK} K steps of {BK}")
+    parts = _grouped_matmul_mgpu(x, w, block_expert.astype(jnp.int32), used_blocks.astype(jnp.int32), bn=bn,
+                                 stages=stages, splits=k_splits, interpret=impl == "pallas_interpret")
+    y = parts[0]
+    for s in range(1, k_splits):  # a fixed order of adds: elementwise, so no row's sum depends on another's
+        y = y + parts[s]
+    return y

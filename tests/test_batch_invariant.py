@@ -87,16 +87,18 @@ def test_weight_products_give_a_row_the_same_bits_at_every_row_count(model):
 def test_mode_projections_on_the_kernel_ignore_the_other_rows(monkeypatch):
     """`common.proj` in the mode on the grouped-matmul kernel (`INVARIANT_PROJ`; here in interpret mode): no
     row-block loop, and a row's output is bit for bit the same alone, among other rows and in another grid,
-    with the N tile fixed by the width (128, or 64 for a 192-wide weight); it computes the product (bf16
-    tolerance against f32). Off the mode, and with "blocks", the kernel does not run."""
+    with the N tile fixed by the width (128, or 64 for a 192-wide weight) and K cut by the shape alone (two
+    splits of 512); it computes the product (bf16 tolerance against f32). Off the mode, and with "blocks",
+    the kernel does not run."""
     from k3jax.model import common
 
     monkeypatch.setattr(common, "INVARIANT_PROJ", "pallas_interpret")
     calls = []
     orig = common.gmm.grouped_matmul
-    monkeypatch.setattr(common.gmm, "grouped_matmul", lambda *a, **kw: calls.append(kw["bn"]) or orig(*a, **kw))
+    monkeypatch.setattr(common.gmm, "grouped_matmul",
+                        lambda *a, **kw: calls.append((kw["bn"], kw["k_splits"])) or orig(*a, **kw))
     ks = jax.random.split(jax.random.PRNGKey(5), 3)
-    for (D, X), lead in (((128, 192), (70,)), ((64, 256), (23, 3))):
+    for (D, X), lead in (((128, 192), (70,)), ((512, 256), (23, 3))):
         w = (jax.random.normal(ks[0], (D, X)) / np.sqrt(D)).astype(jnp.bfloat16)
         x = jax.random.normal(ks[1], (*lead, D)).astype(jnp.bfloat16)
         run = jax.jit(lambda x: proj(x, w))
@@ -107,7 +109,7 @@ def test_mode_projections_on_the_kernel_ignore_the_other_rows(monkeypatch):
         np.testing.assert_array_equal(np.asarray(mid), np.asarray(got[20:23]))
         ref = jnp.einsum("...d,dx->...x", x.astype(jnp.float32), w.astype(jnp.float32))
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
-    assert calls == [64, 64, 128, 128], calls  # traced twice a weight: all rows, then 3 rows
+    assert calls == [(64, 1)] * 2 + [(128, 2)] * 2, calls  # traced twice a weight: all rows, then 3 rows
     proj(x, w)  # off the mode
     monkeypatch.setattr(common, "INVARIANT_PROJ", "blocks")
     with batch_invariant(4):

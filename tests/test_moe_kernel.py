@@ -22,19 +22,20 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("K,N,bn,stages", [(128, 128, 64, 2), (192, 256, 128, 3), (128, 128, 64, 4)])
-def test_grouped_matmul_kernel_in_interpret_mode(K, N, bn, stages):
+@pytest.mark.parametrize("K,N,bn,stages,splits", [(128, 128, 64, 2, 1), (192, 256, 128, 3, 1), (128, 128, 64, 4, 1),
+                                                 (512, 128, 64, 2, 4)])
+def test_grouped_matmul_kernel_in_interpret_mode(K, N, bn, stages, splits):
     """Blocks of three experts in any order (one expert over two blocks, one expert unused), the last two
     blocks past `used_blocks`: every used block's rows equal x_block @ w[expert] (f64) to bf16-input
     accuracy and the reference's bits to f32 summation order; the unused blocks are not computed. With 2,
-    3 and 4 TMA stages (4: more stages than K steps)."""
+    3 and 4 TMA stages (4: more stages than K steps), and K cut into 4 splits of 2 steps."""
     E, NB = 5, 6
     ks = jax.random.split(jax.random.PRNGKey(K + N), 2)
     x = jax.random.normal(ks[0], (NB * BLOCK_ROWS, K)).astype(jnp.bfloat16)
     w = jax.random.normal(ks[1], (E, K, N)).astype(jnp.bfloat16)
     be = jnp.array([3, 3, 0, 4, 4, 4], jnp.int32)
     used = jnp.array([4], jnp.int32)
-    got = np.asarray(grouped_matmul(x, w, be, used, impl="pallas_interpret", bn=bn, stages=stages))
+    got = np.asarray(grouped_matmul(x, w, be, used, impl="pallas_interpret", bn=bn, stages=stages, k_splits=splits))
     ref = np.asarray(grouped_matmul(x, w, be, used, impl="xla"))
     live = 4 * BLOCK_ROWS
     xb = np.asarray(x, np.float64).reshape(NB, BLOCK_ROWS, K)
@@ -59,6 +60,20 @@ def test_grouped_matmul_checks_its_arguments():
         grouped_matmul(x, w, be, used, impl="triton")
     with pytest.raises(ValueError, match="stages"):
         grouped_matmul(x, w, be, used, impl="pallas_interpret", stages=1)
+    with pytest.raises(ValueError, match="k_splits = 3 must divide the 2 K steps"):
+        grouped_matmul(x, w, be, used, impl="pallas_interpret", k_splits=3)
+
+
+def test_fixed_k_splits_depend_on_the_shape_alone():
+    """The batch-invariant mode's K splits (`fixed_k_splits`): divisors of the K steps, each split at least
+    `MIN_SPLIT_STEPS` steps, up to one CTA an SM over the N tiles; one where K is short or N wide."""
+    from pallas_kernels.moe import MIN_SPLIT_STEPS, fixed_k_splits
+
+    # k3-mini: a 7168 -> 1536 KDA projection (112 steps, 12 N tiles), 1536 -> 7168, 7168 -> 576 (64-wide tiles)
+    assert [fixed_k_splits(K, N) for K, N in ((7168, 1536), (1536, 7168), (7168, 576))] == [8, 3, 14]
+    # one N tile: splits of MIN_SPLIT_STEPS steps; too few steps, or N tiles for every SM: no split
+    assert fixed_k_splits(MIN_SPLIT_STEPS * 3 * 64, 128) == 3
+    assert fixed_k_splits((2 * MIN_SPLIT_STEPS - 1) * 64, 128) == 1 and fixed_k_splits(512, 32768) == 1
 
 
 def test_routed_experts_on_the_kernel(monkeypatch):
@@ -84,8 +99,9 @@ def test_routed_experts_on_the_kernel(monkeypatch):
 
 
 def test_grouped_matmul_kernel_lowers_for_cuda():
-    """Lowering only (no GPU): the kernel traces and lowers to the Mosaic GPU custom call at both N tiles,
-    and so does the model's MoE layer with `GROUPED_MATMUL = "pallas"` at k3-mini's expert widths."""
+    """Lowering only (no GPU): the kernel traces and lowers to the Mosaic GPU custom call at both N tiles
+    (and with two K splits), and so does the model's MoE layer with `GROUPED_MATMUL = "pallas"` at k3-mini's
+    expert widths."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
 
@@ -95,8 +111,8 @@ def test_grouped_matmul_kernel_lowers_for_cuda():
         except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Mosaic GPU dialect
             pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
 
-    for bn, stages in ((64, 2), (128, 4)):
-        text = export(functools.partial(grouped_matmul, impl="pallas", bn=bn, stages=stages),
+    for bn, stages, splits in ((64, 2, 1), (128, 4, 2)):
+        text = export(functools.partial(grouped_matmul, impl="pallas", bn=bn, stages=stages, k_splits=splits),
                       sd((6 * BLOCK_ROWS, 256), bf), sd((5, 256, 384), bf), sd((6,), jnp.int32), sd((1,), jnp.int32))
         assert "mosaic_gpu" in text
     cfg = preset("k3-mini")

@@ -16,8 +16,9 @@ from pallas_kernels.dispatch import batch_invariant_rows, resolve_impl, rowwise
 # over K in a fixed order, whatever the other rows or the grid (as the mode's routed experts, session 20);
 # elsewhere the blocks. "pallas_interpret": the kernel in interpret mode (CPU tests). Session 21. Device call
 # 24 (session 22, H100): the mode's k3-mini step 10.2 / 11.4 ms against the blocks' 13.7 / 13.9 at batch 1 /
-# 64. The GPU tests did not finish in 290 s (compile-bound), and a projection runs on only N / 128 CTAs at
-# batch <= 64 (one row block), so it stays opt-in (bench/NOTES.md, session 22).
+# 64. The GPU tests did not finish in 290 s (compile-bound), and a projection ran on only N / 128 CTAs at
+# batch <= 64 (one row block), so it stays opt-in (bench/NOTES.md, session 22). Since then K is cut into
+# `gmm.fixed_k_splits(D, X)` ranges (from the shape alone, up to one CTA an SM); not yet timed (call 25).
 INVARIANT_PROJ_FORMS = ("auto", "blocks", "pallas_interpret")
 INVARIANT_PROJ = "blocks"
 
@@ -61,7 +62,7 @@ def proj(x: jax.Array, w: jax.Array) -> jax.Array:
         NB = max(1, -(-M // gmm.BLOCK_ROWS))
         rows = jnp.pad(rows, ((0, NB * gmm.BLOCK_ROWS - M), (0, 0)))
         y = gmm.grouped_matmul(rows, w[None], jnp.zeros((NB,), jnp.int32), jnp.full((1,), NB, jnp.int32), impl=impl,
-                               bn=gmm.fixed_tile_cols(X))
+                               bn=gmm.fixed_tile_cols(X), k_splits=gmm.fixed_k_splits(D, X))
         return y[:M].reshape(*x.shape[:-1], X).astype(w.dtype)
     return rowwise(lambda x: jnp.einsum("...d,dx->...x", x.astype(w.dtype), w,
                                         preferred_element_type=jnp.float32).astype(w.dtype), x)

@@ -75,7 +75,7 @@ def test_kernel_rows_do_not_depend_on_stages_or_other_rows():
     width: its output is bit for bit the same with 2, 3, 4 and 6 TMA stages (`gmm.STAGES`: the K order never
     changes) and within 1e-2 of float64; and a row's output does not change, bit for bit, when the other
     rows of its block, its block's position or the block count change (what the batch-invariant mode's
-    "kernel" form relies on), at the mode's fixed N tile."""
+    "kernel" form relies on), at the mode's fixed N tile, with K in one range and in four splits."""
     import pallas_kernels.moe as gmm
 
     cfg = preset("k3-mini")
@@ -85,7 +85,7 @@ def test_kernel_rows_do_not_depend_on_stages_or_other_rows():
     w = (jax.random.normal(ks[0], (E, K, N)) / K**0.5).astype(jnp.bfloat16)
     x = jax.random.normal(ks[1], (5 * R, K)).astype(jnp.bfloat16)
     be, used = jnp.array([2, 2, 7, 9, 0], jnp.int32), jnp.array([4], jnp.int32)
-    run = jax.jit(gmm.grouped_matmul, static_argnames=("impl", "bn", "stages"))
+    run = jax.jit(gmm.grouped_matmul, static_argnames=("impl", "bn", "stages", "k_splits"))
     bn = gmm.fixed_tile_cols(N)
     outs = {s: np.asarray(run(x, w, be, used, impl="pallas", bn=bn, stages=s))[: 4 * R] for s in (2, 3, 4, 6)}
     xb = np.asarray(x, np.float64).reshape(5, R, K)[:4]
@@ -101,3 +101,10 @@ def test_kernel_rows_do_not_depend_on_stages_or_other_rows():
            np.asarray(run(first, w, be[1:2], jnp.array([1], jnp.int32), impl="pallas", bn=bn))[0]]
     for g in got:
         np.testing.assert_array_equal(g, outs[2][70])
+    # the same with K cut into splits (`k_splits`, the mode's projections: `gmm.fixed_k_splits`)
+    S = 4
+    split = np.asarray(run(x, w, be, used, impl="pallas", bn=bn, k_splits=S))[: 4 * R]
+    assert np.linalg.norm(split - want) / np.linalg.norm(want) < 1e-2
+    for xs, bes, n, r in ((alone, be[:2], 2, R + 5), (first, be[1:2], 1, 0)):
+        g = np.asarray(run(xs, w, bes, jnp.array([n], jnp.int32), impl="pallas", bn=bn, k_splits=S))[r]
+        np.testing.assert_array_equal(g, split[70])
