@@ -205,21 +205,22 @@ class RadixTree:
             freed += self.evict_checkpoints(len(self.ckpt_nodes) - self.max_checkpoints)
         return freed
 
-    @staticmethod
-    def _fullest_path_below(node: Node) -> list[Node]:
-        """The checkpoint nodes of the downward path from `node` (itself excluded) that holds the most."""
+    def _fullest_path_below(self, node: Node) -> list[Node]:
+        """The checkpoint nodes of the downward path from `node` (itself excluded) that holds the most (ties:
+        the one ending at the oldest node, never an order that differs between processes). It walks up from
+        each checkpoint (as many as slots), not down the subtree (a shared prefix's can be the whole tree)."""
         if not node.children:
             return []
-        order, stack = [], [node]
-        while stack:
-            n = stack.pop()
-            order.append(n)
-            stack.extend(n.children.values())
-        chain: dict[Node, list[Node]] = {}
-        for n in reversed(order):  # children before their parents
-            below = max((chain.pop(c) for c in n.children.values()), key=len, default=[])
-            chain[n] = [n] + below if n.ckpt is not None and n is not node else below
-        return chain[node]
+        best, best_serial = [], -1
+        for c in self.ckpt_nodes:
+            chain, x = [], c
+            while x is not None and x.depth > node.depth:
+                if x.ckpt is not None:
+                    chain.append(x)
+                x = x.parent
+            if x is node and chain and (len(chain), -c.serial) > (len(best), -best_serial):
+                best, best_serial = chain, c.serial
+        return best
 
     def _drop_ckpt(self, node: Node) -> int:
         slot, node.ckpt, node.branch = node.ckpt, None, False
