@@ -54,7 +54,9 @@ def tiles(K: int, N: int) -> bool:
 def _tile_cols(NB: int, N: int) -> int:
     """N tile: 128 columns, or 64 where the grid would be under two CTAs per SM at 128 (a decode step's
     few blocks: more CTAs stream the weights)."""
-    return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * 132 else 64
+    from pallas_kernels.kda.mgpu import _SMS
+
+    return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * _SMS else 64
 
 
 def fixed_tile_cols(N: int) -> int:
