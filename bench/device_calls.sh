@@ -45,7 +45,10 @@ calls() {
 11 aligned segments (session 15): tests/gpu's pack-offset, varlen, snapshot / pool cases with and without
    mgpu.ALIGN_SEGMENTS and the speculative engine tests, then 8 x 4k x 12 prefill timed packed and aligned,
    with equal and unaligned starts (~6 min) -> tests.txt, kda_aligned.json. Rule: ALIGN_SEGMENTS = True
-   if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms)
+   if the tests pass and the aligned varlen prefill costs <= 5% (fla 8 x 4k: 1.47 ms). Ran in session 23
+   (H100, results/session23/): the kernel cases pass (the speculative ones part, as in calls 12 and 15:
+   without the mode); 8 x 4k x 12 packed 1.35 ms, aligned 1.92 (equal starts) and 1.91 (unaligned), fla
+   1.64: +42%, so ALIGN_SEGMENTS stays off (the batch-invariant mode aligns anyway)
 12 the batch-invariant mode (session 17: `LLM(batch_invariant=True)`, row blocks of 128): k3-mini decode at
    batch 1 and 64 with and without the mode, then tests/gpu/test_engine_gpu.py -k "batch_invariant or
    speculative" on both paths. Ran in session 18 (on an H100, results/session18/): the mode's mixed step
@@ -162,11 +165,13 @@ calls() {
    the kernel took ~2.9 ms of the step at batch 1 on N / 128 CTAs (12 for a 7168 -> 1536 weight).
    Prediction: the test passes; the projections go from ~2.9 ms to ~0.7 and the mode's step from 10.2 /
    11.4 ms to ~8 / ~9. Rule: with calls 26 and 27 passing, "auto" becomes the default if it is faster than
-   blocks at both batches
+   blocks at both batches. Ran in session 23 (H100, results/session23/): the test passes; the mode's step
+   8.50 / 9.44 ms against blocks' 13.23 / 13.25 (mode off 3.74 / 5.89); the projections ~1.4 ms (the
+   prediction's ~0.7 missed, the step's ~8 / ~9 held); with 26 and 27: "auto" is the default
 26 the "kernel_proj" mode case on the Pallas path alone, with a 560 s limit and the slowest phases named
    (--durations): whether it passes at all, and how long it takes (call 24's runs did not finish in 290 s)
-   (~10 min) -> tests.txt. Then call 27 for the XLA path's case
-27 call 26 for the XLA path's case (~10 min) -> tests.txt
+   (~10 min) -> tests.txt. Then call 27 for the XLA path's case. Ran in session 23 (H100): passed in 364 s
+27 call 26 for the XLA path's case (~10 min) -> tests.txt. Ran in session 23 (H100): passed in 340 s
 EOF
 }
 

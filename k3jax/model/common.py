@@ -9,18 +9,17 @@ from k3jax.config import ModelConfig
 from pallas_kernels import moe as gmm
 from pallas_kernels.dispatch import batch_invariant_rows, resolve_impl, rowwise
 
-# The batch-invariant mode's projections (`proj`), read while tracing: "blocks" (the default until a GPU run
-# decides): `rowwise` row-block loops. "auto" runs them on the grouped-matmul
-# kernel (`pallas_kernels/moe.py`, one group, the N tile fixed by the weight's width) where it runs (a Hopper
-# GPU, bf16 weights whose shape it tiles), with no row-block loop: each output row is its own row's products
-# over K in a fixed order, whatever the other rows or the grid (as the mode's routed experts, session 20);
-# elsewhere the blocks. "pallas_interpret": the kernel in interpret mode (CPU tests). Session 21. Device call
-# 24 (session 22, H100): the mode's k3-mini step 10.2 / 11.4 ms against the blocks' 13.7 / 13.9 at batch 1 /
-# 64. The GPU tests did not finish in 290 s (compile-bound), and a projection ran on only N / 128 CTAs at
-# batch <= 64 (one row block), so it stays opt-in (bench/NOTES.md, session 22). Since then K is cut into
-# `gmm.fixed_k_splits(D, X)` ranges (from the shape alone, up to one CTA an SM); not yet timed (call 25).
+# The batch-invariant mode's projections (`proj`), read while tracing: "auto" (the default since session 23)
+# runs them on the grouped-matmul kernel (`pallas_kernels/moe.py`, one group, the N tile fixed by the
+# weight's width, K cut into `gmm.fixed_k_splits(D, X)` ranges from the shape alone, up to one CTA an SM,
+# the partials added in a fixed order) where it runs (a Hopper GPU, bf16 weights whose shape it tiles), with
+# no row-block loop: each output row is its own row's products over K in a fixed order, whatever the other
+# rows or the grid (as the mode's routed experts, session 20); elsewhere the blocks. "blocks": `rowwise`
+# row-block loops. "pallas_interpret": the kernel in interpret mode (CPU tests). Device calls 25-27 (session
+# 23, H100): the mode's k3-mini step 8.5 / 9.4 ms against the blocks' 13.2 / 13.2 at batch 1 / 64, and
+# the GPU mode tests pass on both paths (bench/NOTES.md, session 23).
 INVARIANT_PROJ_FORMS = ("auto", "blocks", "pallas_interpret")
-INVARIANT_PROJ = "blocks"
+INVARIANT_PROJ = "auto"
 
 
 def dtype_of(cfg: ModelConfig):
