@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -91,3 +92,36 @@ def kernel_summary(events, per):
             "busy_us_per_step": busy / per,
             "span_us_per_step": (iv[-1][1] - iv[0][0]) / per if iv else 0.0,
             "gap_us_median": med(gaps), "gap_us_median_under_200": med(short), "gaps_over_200": len(gaps) - len(short)}
+
+
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+              "f64": 8, "s64": 8, "u64": 8}
+_HLO_COPY = re.compile(r"= (\w+)\[([\d,]*)\](?:\{[^}]*\})? copy\(")
+
+
+def hlo_copies(text: str, top: int = 8) -> dict:
+    """The `copy` instructions of a compiled module's HLO text (`compiled.as_text()`): their count and MB in
+    the ENTRY computation (run once a step) and in the other computations (while-loop bodies: run once a
+    trip, so a lower bound there), the module's while loops, and the largest copy shapes by MB. What the
+    batch-invariant mode's row-block loops cost in copies is read from this (bench/NOTES.md, session 23)."""
+    start = text.find("\nENTRY ")
+    end = text.find("\n}\n", start) if start >= 0 else -1
+    entry = text[start:end if end >= 0 else len(text)] if start >= 0 else ""
+    rest = text[:start] + text[end:] if start >= 0 and end >= 0 else (text[:start] if start >= 0 else text)
+
+    def scan(part, shapes):
+        n, nbytes = 0, 0
+        for m in _HLO_COPY.finditer(part):
+            size = _HLO_BYTES.get(m.group(1), 4)
+            for d in filter(None, m.group(2).split(",")):
+                size *= int(d)
+            n, nbytes = n + 1, nbytes + size
+            shapes[f"{m.group(1)}[{m.group(2)}]"] += size
+        return n, nbytes / 1e6
+
+    shapes = collections.Counter()
+    en, emb = scan(entry, shapes)
+    on, omb = scan(rest, shapes)
+    return {"entry_count": en, "entry_mb": round(emb, 3), "other_count": on, "other_mb": round(omb, 3),
+            "whiles": text.count(" while("),
+            "top_mb": {k: round(v / 1e6, 3) for k, v in shapes.most_common(top)}}

@@ -21,8 +21,11 @@ calls() {
    1 x 32k x 12 and 8 x 4k x 12, then verify + fold without barriers and in colwarp8 at 256 x 12 and
    64 x 12, then the prep kernel alone and with no levels (~6 min; ran in session 13)
    -> kda_fused.json, kda_verify.json, ablation.json
-4  k3-mini prefill 4k and 16k (pallas without and with the fused inputs, xla) and decode at batch 1,
-   with the profile's kda_proj/qk_norm and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json
+4  k3-mini prefill 4k and 16k (pallas, xla) and decode at batch 1, with the profile's kda_proj/qk_norm
+   and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json. Session 23 (H100) got 187 s of it, in the
+   stacked layout (the bench's default then; now split, the engine's): decode 8.43 ms pallas / 8.55 xla,
+   prefill 4k pallas 76.1 ms, with the fused inputs 75.9 (no gain: dropped from the call); the profile puts
+   29 of the 76 ms in the routed experts' grouped-matmul kernel (~260 TFLOP/s: untuned for prefill)
 5  batch invariance (session 14): bench/batch_invariance.py --layers --engine on the XLA and the Pallas
    path (the first layer whose output row moves between decode, mixed and verify steps; the engine's
    speculative tokens against plain, overlap on and off), the Pallas path again with
@@ -172,6 +175,17 @@ calls() {
    (--durations): whether it passes at all, and how long it takes (call 24's runs did not finish in 290 s)
    (~10 min) -> tests.txt. Then call 27 for the XLA path's case. Ran in session 23 (H100): passed in 364 s
 27 call 26 for the XLA path's case (~10 min) -> tests.txt. Ran in session 23 (H100): passed in 340 s
+28 the batch-invariant mode's copies (session 23): k3-mini decode at batch 1 and 64 with and without the
+   mode, each row's compiled HLO (hlo.tgz) and its copy count and MB (entry computation / loop bodies,
+   `bench._common.hlo_copies`) (~4 min) -> k3_mini_copies.json, hlo.tgz. Why: call 25's profile put ~1.8
+   of the mode's 8.5 ms at batch 1 in memcpy kernels (memcpy128 1.29, memcpy32_post 0.36, MemcpyD2D 0.13)
+   and 0.16 in zero broadcasts, which the profile files under no layer; on the CPU (f32 k3-mini, XLA path)
+   the mode's step holds ~1.6 GB of entry copies (~430 of them copies of shared zero broadcasts into
+   each loop's carry) and ~3.2 GB in loop bodies (the carry's block rotation). The CPU backend's copies do
+   not carry over (it rewrites bf16 updates in f32 and copies every carry element at a wide loop's entry),
+   so the GPU's own HLO decides what to change in `dispatch.block_loop`. Prediction: the GPU's entry
+   copies are mostly of shared zero inits (a few hundred MB at batch 1) and the loop bodies copy each
+   carried block once or twice a trip
 EOF
 }
 
@@ -218,8 +232,8 @@ case "$1" in
         --out "$OUT/ablation.json"
     ;;
 4)
-    step k3_mini python3 bench/k3_mini_h200.py --batch 1 --prefill 4096 16384 --impl pallas xla \
-        --fused-inputs --out "$OUT/k3_mini_prefill.json"
+    step k3_mini timeout 560 python3 bench/k3_mini_h200.py --batch 1 --prefill 4096 16384 --impl pallas xla \
+        --out "$OUT/k3_mini_prefill.json"
     ;;
 5)
     BI="python3 bench/batch_invariance.py --seeds 2 --layers --engine"
@@ -341,6 +355,11 @@ case "$1" in
     gpu_tests tests 120 -q tests/gpu/test_moe_gpu.py::test_kernel_rows_do_not_depend_on_stages_or_other_rows
     step k3_mini_proj_split timeout 400 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas --layouts split \
         --batch-invariant 0 128 --invariant-proj blocks auto --iters 10 --out "$OUT/k3_mini_proj_split.json"
+    ;;
+28)
+    step k3_mini_copies timeout 400 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
+        --batch-invariant 0 128 --iters 10 --hlo-out "$OUT/hlo" --out "$OUT/k3_mini_copies.json"
+    tar czf "$OUT/hlo.tgz" -C "$OUT" hlo && rm -r "$OUT/hlo"
     ;;
 26|27)
     T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bench.step_xla as step_xla  # noqa: E402
-from bench._common import device_events  # noqa: E402
+from bench._common import device_events, hlo_copies  # noqa: E402
 from k3jax.config import preset  # noqa: E402
 from k3jax.engine.runner import SeqWork, pack_step  # noqa: E402
 from k3jax.model import kda as kda_model  # noqa: E402
@@ -201,9 +201,10 @@ def main(argv=None):
     ap.add_argument("--fused-inputs", action="store_true",
                     help="prefill rows of impl pallas also run with the KDA layer's L2 norm and gate in the chunk "
                          "kernel (k3jax.model.kda.PREFILL_FUSED_INPUTS; rows marked fused_inputs)")
-    ap.add_argument("--layouts", nargs="*", default=["stacked"], choices=["stacked", "split"],
-                    help="parameter layouts: stacked (one array per field with a leading layer dim: the forward "
-                         "slices it per layer) and/or split (`split_layers`: one array per layer)")
+    ap.add_argument("--layouts", nargs="*", default=["split"], choices=["stacked", "split"],
+                    help="parameter layouts: split (the default, what `k3jax.load_model` and so the engine run: "
+                         "`split_layers`, one array per layer) and/or stacked (one array per field with a leading "
+                         "layer dim: the forward slices it per layer)")
     ap.add_argument("--batch-invariant", type=int, nargs="*", default=[0], metavar="ROWS",
                     help="row blocks of the batch-invariant mode to run every row in (0: off; 128: what "
                          "LLM(batch_invariant=True) runs); rows marked batch_invariant_rows (default: 0)")
@@ -238,6 +239,10 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--out", default="bench/results/k3_mini_h200.json")
+    ap.add_argument("--hlo-out", default=None, metavar="DIR",
+                    help="also write each row's compiled HLO text to DIR (every row records its copies either way: "
+                         "hlo_copies, the copy instructions' count and MB in the entry computation and in the loop "
+                         "bodies)")
     ap.add_argument("--profile-device", default="/device:GPU", help="trace process to read ('/host:CPU' to smoke-test)")
     args = ap.parse_args(argv)
 
@@ -289,6 +294,13 @@ def main(argv=None):
             t = time.perf_counter()  # one compile, used by the timing and by the profile
             compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
             row["compile_s"] = round(time.perf_counter() - t, 2)
+            hlo = compiled.as_text()
+            row["hlo_copies"] = hlo_copies(hlo)
+            if args.hlo_out:
+                os.makedirs(args.hlo_out, exist_ok=True)
+                label = "_".join(str(row[k]) for k in row if k not in ("compile_s", "hlo_copies"))
+                with open(os.path.join(args.hlo_out, f"{kind}_{label}.hlo.txt"), "w") as fh:
+                    fh.write(hlo)
             step_xla.step = lambda p, s, b, c: compiled(p, s, b)  # what measure() calls
             _, med = step_xla.measure(params, cfg, state, batch, args.iters)
             row.update(step_ms=med * 1e3, tokens_per_s=B / med)
@@ -300,7 +312,7 @@ def main(argv=None):
                     return out
 
                 jax.block_until_ready(run())
-                row["profile"] = profile_breakdown(run, compiled.as_text(), args.profile_steps, args.profile_device)
+                row["profile"] = profile_breakdown(run, hlo, args.profile_steps, args.profile_device)
             except Exception as e:  # the step times stand without the breakdown
                 row["profile_error"] = repr(e)[:400]
                 traceback.print_exc()
@@ -313,18 +325,20 @@ def main(argv=None):
             json.dump(res, fh, indent=1)
     print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'st':>2} {'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
-          "   (device ms/step)")
+          "   (device ms/step)  copy MB (entry + loop bodies, once a trip)")
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
         n = r.get("batch", f"P{r.get('prefill_tokens')}{'f' if r.get('fused_inputs') else ''}")
-        print(f"{n:>5} {r['impl']:7} {r.get('layout', 'stacked'):7} {r.get('batch_invariant_rows', 0):4d} "
+        c = r.get("hlo_copies")
+        copies = f"{c['entry_mb']:.0f} + {c['other_mb']:.0f}" if c else "-"
+        print(f"{n:>5} {r['impl']:7} {r.get('layout', 'split'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
               f"{r.get('invariant_proj', '-'):6} "
               f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
-              f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}")
+              f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}   {copies}")
 
 
 if __name__ == "__main__":

@@ -250,3 +250,28 @@ def test_chunk_kernels_lay_segments_out_on_their_own_in_the_mode():
     with batch_invariant(64):
         lay = mgpu._layout_for(cu, 48)
     assert lay.src is not None and int(lay.cu[1]) % 8 == 0 and int(lay.cu[1]) >= 5
+
+
+def test_hlo_copies_counts_entry_and_loop_body_copies_apart():
+    """`bench._common.hlo_copies` (what bench/k3_mini_h200.py records of the mode's loops): copies in the ENTRY
+    computation and in the others (loop bodies) counted apart, sized by dtype, the while loops counted."""
+    from bench._common import hlo_copies
+
+    text = """HloModule m
+
+%body (p: (s32[], f32[1000,1000])) -> (s32[], f32[1000,1000]) {
+  %c.1 = f32[1000,1000]{1,0} copy(%x), metadata={op_name="jit(f)/while/body"}
+  %c.2 = bf16[500,1000]{1,0} copy(%y), control-predecessors={%c.1}
+  %s = f32[1000,1000]{1,0} copy-start(%x)
+}
+
+ENTRY %main (a: f32[500000]) -> f32[500000] {
+  %c.3 = f32[500000]{0} copy(%a)
+  %w = (s32[], f32[1000,1000]) while(%t), condition=%cond, body=%body
+}
+"""
+    c = hlo_copies(text)
+    assert (c["entry_count"], c["entry_mb"]) == (1, 2.0)
+    assert (c["other_count"], c["other_mb"]) == (2, 5.0)
+    assert c["whiles"] == 1
+    assert list(c["top_mb"]) == ["f32[1000,1000]", "f32[500000]", "bf16[500,1000]"]
