@@ -177,7 +177,7 @@ calls() {
 27 call 26 for the XLA path's case (~10 min) -> tests.txt. Ran in session 23 (H100): passed in 340 s
 28 the batch-invariant mode's copies (session 23): k3-mini decode at batch 1 and 64 with and without the
    mode, each row's compiled HLO (hlo.tgz) and its copy count and MB (entry computation / loop bodies,
-   `bench._common.hlo_copies`) (~4 min) -> k3_mini_copies.json, hlo.tgz. Why: call 25's profile put ~1.8
+   `bench._common.hlo_copies`) -> k3_mini_copies.json, hlo.tgz. Why: call 25's profile put ~1.8
    of the mode's 8.5 ms at batch 1 in memcpy kernels (memcpy128 1.29, memcpy32_post 0.36, MemcpyD2D 0.13)
    and 0.16 in zero broadcasts, which the profile files under no layer; on the CPU (f32 k3-mini, XLA path)
    the mode's step holds ~1.6 GB of entry copies (~430 of them copies of shared zero broadcasts into
@@ -203,6 +203,7 @@ SITE=$(mktemp -d)  # the carried wheels, installed outside the tree
 python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl || exit 1
 export PYTHONPATH=$SITE:$PWD JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false
 K="python3 bench/kda_kernels.py"
+PY_PREFIX=$(python3 -c 'import sys; print(sys.prefix)')
 
 step() {  # step NAME CMD...: run CMD, its output in $OUT/NAME.log (the tail also on stdout)
     local name=$1; shift
@@ -210,6 +211,8 @@ step() {  # step NAME CMD...: run CMD, its output in $OUT/NAME.log (the tail als
     local t0=$SECONDS
     "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
+    # results are committed: no path of the device machine in them (the tree relative, Python's prefix named)
+    sed -i -e "s#$PWD/##g" -e "s#$PY_PREFIX/#<python>/#g" "$OUT/$name.log"
     tail -n 25 "$OUT/$name.log"
     echo "== $name: rc=$rc, $((SECONDS - t0)) s"
 }
