@@ -25,7 +25,9 @@ calls() {
    and kda_proj/gate scopes (~6 min) -> k3_mini_prefill.json. Session 23 (H100) got 187 s of it, in the
    stacked layout (the bench's default then; now split, the engine's): decode 8.43 ms pallas / 8.55 xla,
    prefill 4k pallas 76.1 ms, with the fused inputs 75.9 (no gain: dropped from the call); the profile puts
-   29 of the 76 ms in the routed experts' grouped-matmul kernel (~260 TFLOP/s: untuned for prefill)
+   29 of the 76 ms in the routed experts' grouped-matmul kernel (~260 TFLOP/s: untuned for prefill).
+   Session 24 (H100, split): decode 3.70 / 3.72 ms; prefill 4k 75.7 ms Pallas, 88.5 XLA; 16k out of memory
+   on both paths (a 27.6 GiB temporary: the MLA attention's f32 keys and scores, quadratic in the context)
 5  batch invariance (session 14): bench/batch_invariance.py --layers --engine on the XLA and the Pallas
    path (the first layer whose output row moves between decode, mixed and verify steps; the engine's
    speculative tokens against plain, overlap on and off), the Pallas path again with
@@ -177,22 +179,14 @@ calls() {
 27 call 26 for the XLA path's case (~10 min) -> tests.txt. Ran in session 23 (H100): passed in 340 s
 28 the batch-invariant mode's copies (session 23): k3-mini decode at batch 1 and 64 with and without the
    mode, each row's compiled HLO (hlo.tgz) and its copy count and MB (entry computation / loop bodies,
-   `bench._common.hlo_copies`) -> k3_mini_copies.json, hlo.tgz. Why: call 25's profile put ~1.8
-   of the mode's 8.5 ms at batch 1 in memcpy kernels (memcpy128 1.29, memcpy32_post 0.36, MemcpyD2D 0.13)
-   and 0.16 in zero broadcasts, which the profile files under no layer; on the CPU (f32 k3-mini, XLA path)
-   the mode's step holds ~1.6 GB of entry copies (~430 of them copies of shared zero broadcasts into
-   each loop's carry) and ~3.2 GB in loop bodies (the carry's block rotation). The CPU backend's copies do
-   not carry over (it rewrites bf16 updates in f32 and copies every carry element at a wide loop's entry),
-   so the GPU's own HLO decides what to change in `dispatch.block_loop`. The mode's rows run with and
-   without `dispatch.DISTINCT_FILLS` (fills unique in the trace instead of zeros for the carries' starts
-   and the row blocks' pads: on the CPU the entry copies fall from 1.56 to 0.06 GB; the loop bodies' 3.2
-   GB a trip stay) (~6 min). Prediction: the GPU's entry copies are mostly of shared zero fills (a few
-   hundred MB at batch 1) and fall to ~0 with DISTINCT_FILLS; the mode's step at batch 1 drops by 0.3-0.8
-   ms (8.5 -> ~8); the loop bodies copy each carried block once or twice a trip. Rule: DISTINCT_FILLS
-   becomes the default if the mode's GPU tests pass with it (call 29) and its step is faster at both
-   batches
-29 tests/gpu's batch-invariant mode case "kernel_proj_fills" (call 26's case with `dispatch.DISTINCT_FILLS`
-   on) on the Pallas path, 560 s limit (~7 min) -> tests.txt
+   `bench._common.hlo_copies`) -> k3_mini_copies.json, hlo.tgz (~4 min). Ran in session 24 (H100,
+   results/session24/) with `dispatch.DISTINCT_FILLS` (fills unique in the trace for the carries' starts and
+   the pads) on and off: the flag took the entry copies from 233 / 229 MB to 0 at batch 1 / 64, and the
+   step got no faster (8.63 -> 8.69 ms, 9.65 -> 9.89; prediction 8.5 -> ~8 missed): each copy became a fill
+   kernel of the same bytes. The flag failed its rule and was removed. The HLO: every loop body copies 2-13
+   carried blocks a trip (the rotation of the carry from one tuple slot to the next), ~1,000 copy kernels a
+   step at batch 1 (memcpy kernels 1.8 ms in the profile), and the step's kernels leave ~1.8 ms of gaps
+29 (dropped in session 24: tests/gpu's "kernel_proj_fills" mode case, for DISTINCT_FILLS, which call 28 removed)
 EOF
 }
 
@@ -368,12 +362,8 @@ case "$1" in
     ;;
 28)
     step k3_mini_copies timeout 500 python3 bench/k3_mini_h200.py --batch 1 64 --impl pallas \
-        --batch-invariant 0 128 --distinct-fills 0 1 --iters 10 --hlo-out "$OUT/hlo" --out "$OUT/k3_mini_copies.json"
+        --batch-invariant 0 128 --iters 10 --hlo-out "$OUT/hlo" --out "$OUT/k3_mini_copies.json"
     tar czf "$OUT/hlo.tgz" -C "$OUT" hlo && rm -r "$OUT/hlo"
-    ;;
-29)
-    T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels
-    gpu_tests tests 560 -q "$T[pallas-kernel_proj_fills]" --durations=5
     ;;
 26|27)
     T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels

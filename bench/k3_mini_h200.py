@@ -46,7 +46,6 @@ from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
 import pallas_kernels.moe as gmm  # noqa: E402
-from pallas_kernels import dispatch  # noqa: E402
 
 
 def random_state(state, seed=0):
@@ -225,10 +224,6 @@ def main(argv=None):
                          "INVARIANT_PROJ`, the default): auto = the grouped-matmul kernel with a fixed N tile and no "
                          "loop (bf16 weights on a Hopper GPU; else blocks), blocks = `rowwise` row-block loops; rows "
                          "marked invariant_proj")
-    ap.add_argument("--distinct-fills", type=int, nargs="*", default=[int(dispatch.DISTINCT_FILLS)], choices=[0, 1],
-                    help="with a --batch-invariant row block: 1 starts the mode's loop carries and pads its row blocks "
-                         "with fills unique in the trace instead of zeros (`pallas_kernels.dispatch.DISTINCT_FILLS`, "
-                         "the default: no CSE-merged fill copied into every loop); rows marked distinct_fills")
     ap.add_argument("--moe-impl", nargs="*", default=["auto"], choices=["auto", "ragged", "slabs", "pallas"],
                     help="outside the batch-invariant mode: the routed experts' grouped matmul "
                          "(`k3jax.model.moe.GROUPED_MATMUL`): auto = the default (the Mosaic GPU kernel on a Hopper "
@@ -263,18 +258,17 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
     kernel_rows = lambda bi, ie, mi: (ie == "kernel") if bi else mi in ("auto", "pallas")
-    runs = [(s, impl, lay, fused, bi, ie, eg, ip, df, mi, ms) for s in shapes for impl in args.impl for lay in args.layouts
+    runs = [(s, impl, lay, fused, bi, ie, eg, ip, mi, ms) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
             for bi in args.batch_invariant
             for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
                            if bi else [("blocks", 1)])
             for ip in (args.invariant_proj if bi else ["auto"])
-            for df in (args.distinct_fills if bi else [0])
             for mi in (["auto"] if bi else args.moe_impl)
             for ms in (args.moe_stages if kernel_rows(bi, ie, mi) else [0])]
     base_cfg = cfg
     stages0 = gmm.STAGES
-    for (kind, B), impl, layout, fused, bi, ie, eg, ip, df, mi, ms in runs:
+    for (kind, B), impl, layout, fused, bi, ie, eg, ip, mi, ms in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
@@ -282,14 +276,12 @@ def main(argv=None):
         row["batch_invariant_rows"] = bi
         if bi:
             row["invariant_experts"], row["expert_group"], row["invariant_proj"] = ie, eg, ip
-            row["distinct_fills"] = df
         row["moe_impl"] = mi
         gmm.STAGES = ms or stages0  # read when the step is traced
         if kernel_rows(bi, ie, mi):
             row["moe_stages"] = gmm.STAGES
         moe_model.INVARIANT_EXPERTS = ie  # read when the step is traced
         common_model.INVARIANT_PROJ = ip  # read when the step is traced
-        dispatch.DISTINCT_FILLS = bool(df)  # read when the step is traced
         moe_model.EXPERT_GROUP = eg  # read when the step is traced
         moe_model.GROUPED_MATMUL = mi  # read when the step is traced
         kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
@@ -331,7 +323,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':9} {'st':>2} {'step_ms':>8} {'tok/s':>9}"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'st':>2} {'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)  copy MB (entry + loop bodies, once a trip)")
     for r in res["results"]:
@@ -342,7 +334,7 @@ def main(argv=None):
         copies = f"{c['entry_mb']:.0f} + {c['other_mb']:.0f}" if c else "-"
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'split'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
-              f"{r.get('invariant_proj', '-'):6}{'+df' if r.get('distinct_fills') else '   '} "
+              f"{r.get('invariant_proj', '-'):6} "
               f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -81,48 +80,16 @@ CONTEXT_ROWS = 16
 CONTEXT_CHUNKS = 4
 
 
-# The mode's filler values (`DISTINCT_FILLS`). Off: zeros. On: a float array that `block_loop` starts a
-# carry with (the current block, the previous output and the output stack: read only by the spare trip, or
-# overwritten) and the rows `rowwise` pads a block with (their outputs are dropped) get a fill whose value
-# no other fill in the trace has, where they were zeros. Why: XLA's CSE merges equal fills across loops,
-# and copy insertion then copies the one merged buffer into every loop's carry (on the CPU, an f32 k3-mini
-# decode step in the mode at batch 1 held ~430 such copies, 1.2 GB, and 0.35 GB of copies of padded
-# inputs that several loops share: 1.56 GB of entry copies, 0.06 GB with distinct fills; session 23).
-# Integer and bool arrays keep zeros (an index pads to 0, the padding sink). The values change no real
-# row's bits (CPU test). Off until device call 28 measures it on the GPU; read while tracing.
-DISTINCT_FILLS = False
-_FILL_SERIAL = contextvars.ContextVar("k3jax_fill_serial", default=None)
-
-
 @contextlib.contextmanager
 def batch_invariant(rows: int):
     """Inside the block (read while tracing), the batch-invariant mode with row blocks of `rows` (0: off)."""
     if rows < 0:
         raise ValueError(f"batch-invariant row block must be >= 0, got {rows}")
     token = _INVARIANT_ROWS.set(int(rows))
-    # the fills' serial numbers count from 1 in each outermost mode block: a trace's values do not depend on
-    # what was traced before it (lockstep hosts compile the same program)
-    serial = _FILL_SERIAL.set(itertools.count(1)) if rows and _FILL_SERIAL.get() is None else None
     try:
         yield
     finally:
-        if serial is not None:
-            _FILL_SERIAL.reset(serial)
         _INVARIANT_ROWS.reset(token)
-
-
-def _fill_value(dtype):
-    """0, or with `DISTINCT_FILLS` (a float dtype, inside the mode) a value no earlier fill of this trace has:
-    (1 + m / 128) 2^-(10 + e), exact in bf16 and f32 (m < 128, e < 100)."""
-    serial = _FILL_SERIAL.get()
-    if not DISTINCT_FILLS or serial is None or not jnp.issubdtype(dtype, jnp.floating):
-        return 0
-    k = next(serial)
-    return (1 + k % 128 / 128) * 2.0 ** -(10 + k // 128 % 100)
-
-
-def _fill(shape, dtype):
-    return jnp.full(shape, _fill_value(dtype), dtype)
 
 
 def batch_invariant_rows() -> int:
@@ -150,8 +117,8 @@ def rowwise(fn, *xs, max_rows: int | None = None):
         R = min(R, max_rows)
     T = xs[0].shape[0]
     nb = max(1, -(-T // R))
-    blocks = tuple(jnp.pad(x, [(0, nb * R - T)] + [(0, 0)] * (x.ndim - 1), constant_values=_fill_value(x.dtype))
-                   .reshape(nb, R, *x.shape[1:]) for x in xs)
+    blocks = tuple(jnp.pad(x, [(0, nb * R - T)] + [(0, 0)] * (x.ndim - 1)).reshape(nb, R, *x.shape[1:])
+                   for x in xs)
 
     def block(*b):
         with batch_invariant(0):
@@ -177,8 +144,7 @@ def block_loop(fn, *xs):
     - The pipeline adds one iteration (fn on zero blocks, discarded), so the loop always has at least two
       trips of a constant count: XLA inlines a one-trip loop into the program around it (a decode row
       then moved by ~3e-5 on the CPU), and a GPU runs a loop of known trip count with no host read-back.
-    The cost: one spare block per loop. The carry's starting values are never a real block's: zeros, or
-    with `DISTINCT_FILLS` fills unique in the trace."""
+    The cost: one spare block per loop."""
     nb = xs[0].shape[0]
     shapes = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs))
     take = lambda arrs, j: tuple(jax.lax.dynamic_index_in_dim(x, j, 0, keepdims=False) for x in arrs)
@@ -193,8 +159,8 @@ def block_loop(fn, *xs):
         ins = tuple(put(x, jnp.zeros(x.shape[1:], x.dtype), j) for x in ins)
         return ins, nxt, y, out
 
-    init = (xs, tuple(_fill(x.shape[1:], x.dtype) for x in xs),
-            jax.tree.map(lambda s: _fill(s.shape, s.dtype), shapes),
-            jax.tree.map(lambda s: _fill((nb, *s.shape), s.dtype), shapes))
+    init = (xs, tuple(jnp.zeros(x.shape[1:], x.dtype) for x in xs),
+            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            jax.tree.map(lambda s: jnp.zeros((nb, *s.shape), s.dtype), shapes))
     _, _, last, out = jax.lax.fori_loop(0, nb + 1, body, init)
     return jax.tree.map(lambda o, v: put(o, v, nb - 1), out, last)

@@ -275,29 +275,3 @@ ENTRY %main (a: f32[500000]) -> f32[500000] {
     assert (c["other_count"], c["other_mb"]) == (2, 5.0)
     assert c["whiles"] == 1
     assert list(c["top_mb"]) == ["f32[1000,1000]", "f32[500000]", "bf16[500,1000]"]
-
-
-def test_distinct_fills_drop_the_entry_copies_and_keep_the_bits(monkeypatch):
-    """`dispatch.DISTINCT_FILLS`: three row-block loops over one normalised input (as a layer's projections).
-    Without it the CPU's entry computation copies merged zero fills (and the shared padded input) into the
-    loops' carries; with it no float block is copied there. The outputs are bit for bit the same."""
-    from bench._common import hlo_copies
-    from pallas_kernels import dispatch
-
-    x = jax.random.normal(jax.random.key(0), (3, 256), jnp.float32)
-    ws = [jax.random.normal(jax.random.key(i), (256, 256), jnp.float32) / 16 for i in (1, 2, 3)]
-    out, copies = {}, {}
-    for on in (False, True):
-        monkeypatch.setattr(dispatch, "DISTINCT_FILLS", on)
-
-        def f(x, *ws):  # a new function each time: the flag is read while tracing
-            with batch_invariant(16):
-                n = rowwise(lambda a: a * jax.lax.rsqrt(jnp.mean(a * a, -1, keepdims=True) + 1e-6), x)
-                return tuple(rowwise(lambda b, w=w: b @ w, n) for w in ws)
-
-        compiled = jax.jit(f).lower(x, *ws).compile()
-        copies[on] = hlo_copies(compiled.as_text())
-        out[on] = compiled(x, *ws)
-    assert copies[False]["entry_mb"] >= 0.1 and copies[True]["entry_mb"] == 0.0, copies
-    for a, b in zip(out[False], out[True]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -174,7 +174,7 @@ def test_speculative_on_kernels_equals_plain(model, plain, impl):
     assert got == want, json.dumps(parted_requests(dataclasses.replace(model, impl="xla"), prompts, got, want))
 
 
-@pytest.mark.parametrize("experts", ["blocks", "rounds", "kernel", "kernel_proj", "kernel_proj_fills"])
+@pytest.mark.parametrize("experts", ["blocks", "rounds", "kernel", "kernel_proj"])
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     """The engine's batch-invariant mode (`LLM(batch_invariant=True)`: `ModelConfig.batch_invariant_rows`
@@ -186,18 +186,16 @@ def test_batch_invariant_mode_on_kernels(model, impl, experts, monkeypatch):
     forms of the mode's routed experts (`moe.INVARIANT_EXPERTS`; "rounds" since session 19; "kernel", the
     grouped-matmul kernel with no loop, since session 20, on a bf16 copy of the model: the kernel takes bf16
     weights only; "kernel_proj": the projections on that kernel too, `common.INVARIANT_PROJ = "auto"`,
-    session 21; "kernel_proj_fills": with `dispatch.DISTINCT_FILLS` too, session 23)."""
+    session 21)."""
     from bench.batch_invariance import parted_requests, step_rows
     from k3jax.config import BATCH_INVARIANT_ROWS
     from k3jax.model import moe
 
     from k3jax.model import common
-    from pallas_kernels import dispatch
 
     # read while tracing: a fresh model name below
-    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts.removesuffix("_fills").removesuffix("_proj"))
-    monkeypatch.setattr(common, "INVARIANT_PROJ", "auto" if "_proj" in experts else "blocks")
-    monkeypatch.setattr(dispatch, "DISTINCT_FILLS", experts.endswith("_fills"))
+    monkeypatch.setattr(moe, "INVARIANT_EXPERTS", experts.removesuffix("_proj"))
+    monkeypatch.setattr(common, "INVARIANT_PROJ", "auto" if experts == "kernel_proj" else "blocks")
     cfg = model.config.replace(name=f"{model.config.name}-{experts}")
     m = dataclasses.replace(model, impl=impl, config=cfg)
     if experts.startswith("kernel"):
