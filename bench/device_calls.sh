@@ -27,7 +27,17 @@ calls() {
    prefill 4k pallas 76.1 ms, with the fused inputs 75.9 (no gain: dropped from the call); the profile puts
    29 of the 76 ms in the routed experts' grouped-matmul kernel (~260 TFLOP/s: untuned for prefill).
    Session 24 (H100, split): decode 3.70 / 3.72 ms; prefill 4k 75.7 ms Pallas, 88.5 XLA; 16k out of memory
-   on both paths (a 27.6 GiB temporary: the MLA attention's f32 keys and scores, quadratic in the context)
+   on both paths (a 27.6 GiB temporary: the MLA attention's f32 keys and scores, quadratic in the context).
+   Now (session 24): prefill 4k and 16k and decode at batch 64 with 16k in context, Pallas path, each with
+   the MLA attention's blocked XLA form (`mla.XLA_FORM`, keys in page blocks, online softmax; the default)
+   and the dense one (~6 min) -> k3_mini_prefill.json, k3_mini_long.json. Prediction: the blocked form runs
+   the 16k prefill (temporaries ~1-3 GB; the dense one runs out of memory again), in ~300-400 ms; at 4k
+   both within 5% (75.7 ms); decode at 64 x 16k: the blocked form's mla_ms well under the dense one's (no
+   f32 copy of every key). Rule: blocked stays the default unless it is > 10% slower at 4k or in decode.
+   Ran in session 24 (H100, results/session24/*_mla_*): 4k 79.8 ms blocked / 77.0 dense (mla 9.0 / 5.9;
+   temporaries 1.8 / 2.5 GB); 16k 485.8 ms blocked (mla 182, temporaries 6.8 GB), dense out of memory (28.3
+   GB); decode 64 x 16k 13.29 / 12.94 ms (mla 7.2 / 6.8; 0.34 / 2.17 GB). The 16k held, its time missed (486,
+   not 300-400: MLA is quadratic), decode missed (blocked 6% slower in MLA, not faster). Rule: blocked stays
 5  batch invariance (session 14): bench/batch_invariance.py --layers --engine on the XLA and the Pallas
    path (the first layer whose output row moves between decode, mixed and verify steps; the engine's
    speculative tokens against plain, overlap on and off), the Pallas path again with
@@ -236,8 +246,10 @@ case "$1" in
         --out "$OUT/ablation.json"
     ;;
 4)
-    step k3_mini timeout 560 python3 bench/k3_mini_h200.py --batch 1 --prefill 4096 16384 --impl pallas xla \
-        --out "$OUT/k3_mini_prefill.json"
+    step k3_mini timeout 400 python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --impl pallas \
+        --mla-form blocked dense --iters 10 --profile-steps 3 --out "$OUT/k3_mini_prefill.json"
+    step k3_mini_long timeout 170 python3 bench/k3_mini_h200.py --batch 64 --context 16384 --impl pallas \
+        --mla-form blocked dense --iters 10 --profile-steps 3 --out "$OUT/k3_mini_long.json"
     ;;
 5)
     BI="python3 bench/batch_invariance.py --seeds 2 --layers --engine"

@@ -45,6 +45,7 @@ from k3jax.model import common as common_model  # noqa: E402
 from k3jax.model.forward import split_layers, step  # noqa: E402
 from k3jax.model.init import init_params  # noqa: E402
 from k3jax.state import init_state  # noqa: E402
+import pallas_kernels.mla as mla_kernels  # noqa: E402
 import pallas_kernels.moe as gmm  # noqa: E402
 
 
@@ -234,7 +235,11 @@ def main(argv=None):
                     help="TMA stages of the grouped-matmul kernel (`pallas_kernels.moe.STAGES`; 0, the default: "
                          "its setting) for the rows that run it (--moe-impl auto or pallas, and the mode's kernel "
                          "form); rows marked moe_stages")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--mla-form", nargs="*", default=[mla_kernels.XLA_FORM], choices=["blocked", "dense"],
+                    help="the MLA attention's XLA form (`pallas_kernels.mla.XLA_FORM`, the default): blocked = keys in "
+                         "page blocks with an online softmax (memory of one block), dense = the one-pass reference "
+                         "(every key gathered in f32, every score held); rows marked mla_form")
+    ap.add_argument("--context", type=int, default=1024, help="decode rows: tokens already in each sequence's context")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=5)
@@ -258,17 +263,18 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
     kernel_rows = lambda bi, ie, mi: (ie == "kernel") if bi else mi in ("auto", "pallas")
-    runs = [(s, impl, lay, fused, bi, ie, eg, ip, mi, ms) for s in shapes for impl in args.impl for lay in args.layouts
+    runs = [(s, impl, lay, fused, bi, ie, eg, ip, mi, ms, mf) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
             for bi in args.batch_invariant
             for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
                            if bi else [("blocks", 1)])
             for ip in (args.invariant_proj if bi else ["auto"])
             for mi in (["auto"] if bi else args.moe_impl)
-            for ms in (args.moe_stages if kernel_rows(bi, ie, mi) else [0])]
+            for ms in (args.moe_stages if kernel_rows(bi, ie, mi) else [0])
+            for mf in args.mla_form]
     base_cfg = cfg
     stages0 = gmm.STAGES
-    for (kind, B), impl, layout, fused, bi, ie, eg, ip, mi, ms in runs:
+    for (kind, B), impl, layout, fused, bi, ie, eg, ip, mi, ms, mf in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
@@ -277,6 +283,8 @@ def main(argv=None):
         if bi:
             row["invariant_experts"], row["expert_group"], row["invariant_proj"] = ie, eg, ip
         row["moe_impl"] = mi
+        row["mla_form"] = mf
+        mla_kernels.XLA_FORM = mf  # read when the step is traced
         gmm.STAGES = ms or stages0  # read when the step is traced
         if kernel_rows(bi, ie, mi):
             row["moe_stages"] = gmm.STAGES
@@ -294,6 +302,9 @@ def main(argv=None):
             t = time.perf_counter()  # one compile, used by the timing and by the profile
             compiled = step.lower(params, state, batch, cfg=cfg, impl=impl).compile()
             row["compile_s"] = round(time.perf_counter() - t, 2)
+            mem = compiled.memory_analysis()
+            if mem is not None:  # the step's temporaries: what a prefill chunk or a long context costs beside the pools
+                row["temp_mb"] = round(mem.temp_size_in_bytes / 2**20, 1)
             hlo = compiled.as_text()
             row["hlo_copies"] = hlo_copies(hlo)
             if args.hlo_out:
@@ -323,9 +334,10 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'st':>2} {'step_ms':>8} {'tok/s':>9}"
+    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'mla':7} {'st':>2} "
+          f"{'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
-          "   (device ms/step)  copy MB (entry + loop bodies, once a trip)")
+          "   (device ms/step)  temp MB  copy MB (entry + loop bodies, once a trip)")
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
@@ -334,11 +346,12 @@ def main(argv=None):
         copies = f"{c['entry_mb']:.0f} + {c['other_mb']:.0f}" if c else "-"
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'split'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
-              f"{r.get('invariant_proj', '-'):6} "
+              f"{r.get('invariant_proj', '-'):6} {r.get('mla_form', 'dense'):7} "
               f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "
-              f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}   {copies}")
+              f"{g('kda')} {g('mla')} {g('moe')} {g('lm_head')} {g('other')}   {r.get('temp_mb', float('nan')):7.0f}  "
+              f"{copies}")
 
 
 if __name__ == "__main__":
