@@ -69,12 +69,15 @@ def prefill_batch(cfg, T, ps, seed=0):
     return state, pack_step([], [work], D=0, P=T, NP=1, pages_per_seq=n_pages).batch
 
 
-def decode_batch(cfg, B, ctx, ps):
-    """(state, batch) for B sequences decoding one token each with `ctx` tokens in context."""
+def decode_batch(cfg, B, ctx, ps, table=None):
+    """(state, batch) for B sequences decoding one token each with `ctx` tokens in context; the page table
+    holds `table` tokens a sequence (None: just the context and the new token; the engine's is
+    max_seq_len)."""
     n_pages = -(-(ctx + 1) // ps)
+    width = max(n_pages, -(-table // ps)) if table else n_pages
     state = random_state(init_state(cfg, B + 1, B * n_pages + 1, ps))
     works = [SeqWork([7], ctx, i + 1, list(range(1 + i * n_pages, 1 + (i + 1) * n_pages))) for i in range(B)]
-    return state, pack_step(works, [], D=B, P=0, NP=0, pages_per_seq=n_pages).batch
+    return state, pack_step(works, [], D=B, P=0, NP=0, pages_per_seq=width).batch
 
 
 # ---- profile -> per-scope device time -------------------------------------------------------
@@ -239,7 +242,15 @@ def main(argv=None):
                     help="the MLA attention's XLA form (`pallas_kernels.mla.XLA_FORM`, the default): blocked = keys in "
                          "page blocks with an online softmax (memory of one block), dense = the one-pass reference "
                          "(every key gathered in f32, every score held); rows marked mla_form")
+    ap.add_argument("--mla-blocks", nargs="*", default=[mla_kernels.KEY_BLOCKS], choices=["auto", "static", "needed"],
+                    help="the blocked form's key blocks (`pallas_kernels.mla.KEY_BLOCKS`, the default): static = every "
+                         "block of the page table (a loop of known trip count), needed = up to the last block a query "
+                         "can see (a trip count computed on the device), auto = needed except on a GPU; rows marked "
+                         "mla_blocks")
     ap.add_argument("--context", type=int, default=1024, help="decode rows: tokens already in each sequence's context")
+    ap.add_argument("--table-tokens", type=int, default=None,
+                    help="decode rows: the page table's width in tokens (default: the context and the new token; the "
+                         "engine's is max_seq_len, so its attention reads a table wider than most contexts)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--profile-steps", type=int, default=5)
@@ -257,13 +268,13 @@ def main(argv=None):
                for name in args.layouts}
     res = {"bench": "k3_mini_decode", "commit": step_xla.commit(), "jax": jax.__version__,
            "device": str(jax.devices()[0]), "device_kind": jax.devices()[0].device_kind, "model": args.model,
-           "dtype": cfg.dtype, "context": args.context, "page_size": args.page_size,
+           "dtype": cfg.dtype, "context": args.context, "table_tokens": args.table_tokens, "page_size": args.page_size,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "layers": {"kinds": list(cfg.layer_kinds), "ffn": list(cfg.ffn_kinds)}, "results": []}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     shapes = [("decode", B) for B in args.batch] + [("prefill", T) for T in args.prefill]
     kernel_rows = lambda bi, ie, mi: (ie == "kernel") if bi else mi in ("auto", "pallas")
-    runs = [(s, impl, lay, fused, bi, ie, eg, ip, mi, ms, mf) for s in shapes for impl in args.impl for lay in args.layouts
+    runs = [(s, impl, lay, fused, bi, ie, eg, ip, mi, ms, mf, mb) for s in shapes for impl in args.impl for lay in args.layouts
             for fused in ([False, True] if args.fused_inputs and s[0] == "prefill" and impl == "pallas" else [False])
             for bi in args.batch_invariant
             for ie, eg in ([(f, g) for f in args.invariant_experts for g in (args.expert_group if f == "blocks" else [1])]
@@ -271,10 +282,11 @@ def main(argv=None):
             for ip in (args.invariant_proj if bi else ["auto"])
             for mi in (["auto"] if bi else args.moe_impl)
             for ms in (args.moe_stages if kernel_rows(bi, ie, mi) else [0])
-            for mf in args.mla_form]
+            for mf in args.mla_form
+            for mb in (args.mla_blocks if mf == "blocked" else ["static"])]
     base_cfg = cfg
     stages0 = gmm.STAGES
-    for (kind, B), impl, layout, fused, bi, ie, eg, ip, mi, ms, mf in runs:
+    for (kind, B), impl, layout, fused, bi, ie, eg, ip, mi, ms, mf, mb in runs:
         params = layouts[layout]
         cfg = base_cfg.replace(batch_invariant_rows=bi)
         row = {"batch": B, "impl": impl, "layout": layout} if kind == "decode" else {
@@ -285,6 +297,9 @@ def main(argv=None):
         row["moe_impl"] = mi
         row["mla_form"] = mf
         mla_kernels.XLA_FORM = mf  # read when the step is traced
+        if mf == "blocked":
+            mla_kernels.KEY_BLOCKS = mb  # read when the step is traced
+            row["mla_blocks"] = mla_kernels.key_blocks()
         gmm.STAGES = ms or stages0  # read when the step is traced
         if kernel_rows(bi, ie, mi):
             row["moe_stages"] = gmm.STAGES
@@ -294,7 +309,7 @@ def main(argv=None):
         moe_model.GROUPED_MATMUL = mi  # read when the step is traced
         kda_model.PREFILL_FUSED_INPUTS = fused  # read when the step is traced
         step.clear_cache()
-        make = ((lambda: decode_batch(cfg, B, args.context, args.page_size)) if kind == "decode"
+        make = ((lambda: decode_batch(cfg, B, args.context, args.page_size, args.table_tokens)) if kind == "decode"
                 else (lambda: prefill_batch(cfg, B, args.page_size)))
         try:
             state, batch = make()
@@ -334,7 +349,8 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print(f"\n{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'mla':7} {'st':>2} "
+    print("\nmla: the MLA attention's form (b blocked, d dense) and key blocks (s static, n needed)")
+    print(f"{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'mla':3} {'st':>2} "
           f"{'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)  temp MB  copy MB (entry + loop bodies, once a trip)")
@@ -346,7 +362,7 @@ def main(argv=None):
         copies = f"{c['entry_mb']:.0f} + {c['other_mb']:.0f}" if c else "-"
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'split'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
-              f"{r.get('invariant_proj', '-'):6} {r.get('mla_form', 'dense'):7} "
+              f"{r.get('invariant_proj', '-'):6} {r.get('mla_form', 'dense')[0] + r.get('mla_blocks', '-')[0]:3} "
               f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "

@@ -31,6 +31,14 @@ XLA_FORM = "blocked"
 # Device call 4 (session 24, H100, 64-token pages): a 16k prefill in 6.8 GB of temporaries (the dense form
 # asked for 28 GB and ran out of memory); 3.6% slower than the dense form at 4k, 2.7% in decode at 64 x 16k.
 KEY_BLOCK_BYTES = 512 << 20
+# Which key blocks the blocked form's loop visits: "static" every block of the page table (a loop of known
+# trip count), "needed" only up to the last block any query of the call can see (a trip count computed on
+# the device: attention then costs what the contexts hold, not what the page table could, which the
+# engine sizes for max_seq_len). The skipped blocks would add exact zeros (their weights are 0 and the
+# running max does not move), so both give the same bits. "auto": "needed", except on a GPU, where XLA
+# reads a device-bounded loop's condition back to the host every trip: "static" there until a device call
+# measures that against the blocks it saves.
+KEY_BLOCKS = "auto"
 
 
 def mla_paged_attention_ref(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim):
@@ -57,10 +65,21 @@ def key_block_pages(G, C, H, P, page_size, Dk, budget=None) -> int:
     return -(-P // nb)
 
 
-def mla_paged_attention_xla(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, block_pages=None):
+def key_blocks() -> str:
+    """`KEY_BLOCKS` resolved: "static" or "needed"."""
+    if KEY_BLOCKS not in ("auto", "static", "needed"):
+        raise ValueError(f"mla.KEY_BLOCKS must be 'auto', 'static' or 'needed', got {KEY_BLOCKS!r}")
+    if KEY_BLOCKS == "auto":
+        return "static" if jax.default_backend() == "gpu" else "needed"
+    return KEY_BLOCKS
+
+
+def mla_paged_attention_xla(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, block_pages=None,
+                            blocks=None):
     """The blocked form: for each block of `block_pages` pages (default `key_block_pages`), its keys
     gathered, scored and folded into a running max, sum and weighted sum (f32), as in flash attention;
-    a query with no visible key gets zeros, as in the reference."""
+    a query with no visible key gets zeros, as in the reference. `blocks`: "static" or "needed" (default
+    `key_blocks()`): whether the loop stops after the last block a query of the call can see."""
     G, C, H, Dk = q.shape
     P = page_rows.shape[1]
     ps = pages.shape[2]
@@ -89,7 +108,14 @@ def mla_paged_attention_xla(q, q_pos, page_rows, pages, kv_len, *, layer, scale,
         return m_new, l, acc
 
     init = (jnp.full((G, C, H), -jnp.inf, f32), jnp.zeros((G, C, H), f32), jnp.zeros((G, C, H, v_dim), f32))
-    _, l, acc = block(0, init) if nb == 1 else jax.lax.fori_loop(0, nb, block, init)
+    if nb == 1:
+        _, l, acc = block(0, init)
+    else:
+        trips = nb
+        if (blocks or key_blocks()) == "needed":  # keys at positions < need are all any query here sees
+            need = jnp.max(jnp.minimum(kv_len, q_pos.max(-1) + 1))
+            trips = jnp.clip(-(-need // Sb), 0, nb)
+        _, l, acc = jax.lax.fori_loop(0, trips, block, init)
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 

@@ -41,6 +41,47 @@ def test_blocked_equals_the_reference(dtype, block_pages):
                                                           (H, VD)), rtol=1e-6)
 
 
+def test_needed_blocks_stop_at_the_last_visible_key():
+    """KEY_BLOCKS "needed": the loop ends after the last block a query of the call can see. Same bits as
+    "static" (the skipped blocks add exact zeros), and the blocks past it are never read: poisoned with NaN
+    there, "static" returns NaN (0 x NaN in the weighted sum, as the reference would) and "needed" does not."""
+    q, pos, rows, pages, kv_len = inputs(jnp.bfloat16)
+    kw = dict(layer=1, scale=DK ** -0.5, v_dim=VD, block_pages=2)  # 8 keys a block, 4 blocks; 13 keys needed
+    run = lambda pages, blocks: np.asarray(jax.jit(lambda *a: mla.mla_paged_attention_xla(*a, blocks=blocks, **kw))(
+        q, pos, rows[:3], pages, kv_len[:3]))  # groups 0-2: at most 13 keys visible
+    pos = pos[:3]
+    q = q[:3]
+    static, needed = run(pages, "static"), run(pages, "needed")
+    np.testing.assert_array_equal(needed, static)
+    np.testing.assert_allclose(needed, np.asarray(mla.mla_paged_attention_ref(q, pos, rows[:3], pages, kv_len[:3],
+                                                                              layer=1, scale=DK ** -0.5, v_dim=VD)),
+                               rtol=2e-5, atol=2e-6)
+    # the pages of blocks 2 and 3 (keys 16-31) of every group, poisoned
+    poisoned = pages.at[rows[:3, 4:].reshape(-1), 1].set(jnp.nan)
+    assert np.isnan(run(poisoned, "static")).any()
+    np.testing.assert_array_equal(run(poisoned, "needed"), needed)
+
+
+def test_a_rows_bits_do_not_depend_on_the_others_trips():
+    """What the batch-invariant mode needs of "needed": a group's result is the same bits whether the call's
+    loop stops at its own last block or runs on for a longer neighbour (same call shape)."""
+    q, pos, rows, pages, kv_len = inputs(jnp.float32)
+    f = jax.jit(lambda *a: mla.mla_paged_attention_xla(*a, layer=0, scale=DK ** -0.5, v_dim=VD, block_pages=1,
+                                                        blocks="needed"))
+    pick = lambda idx: tuple(x[jnp.array(idx)] for x in (q, pos, rows)) + (pages, kv_len[jnp.array(idx)])
+    short = np.asarray(f(*pick([2, 0])))  # 13 keys: 4 blocks of 4
+    long = np.asarray(f(*pick([2, 3])))  # 28 keys: 7 blocks
+    np.testing.assert_array_equal(short[0], long[0])
+
+
+def test_key_blocks_names_a_bad_setting(monkeypatch):
+    monkeypatch.setattr(mla, "KEY_BLOCKS", "some")
+    with pytest.raises(ValueError, match="KEY_BLOCKS"):
+        mla.key_blocks()
+    monkeypatch.setattr(mla, "KEY_BLOCKS", "auto")
+    assert mla.key_blocks() == ("static" if jax.default_backend() == "gpu" else "needed")
+
+
 def test_key_block_pages_keeps_the_budget():
     for g, c, h, p, dk in [(256, 64, 12, 1024, 576), (256, 1, 12, 2048, 576), (1, 1, 4, 3, 24), (8, 64, 96, 512, 576)]:
         per_page = g * (c * h * 8 + dk * 6) * 16
