@@ -197,11 +197,14 @@ calls() {
    carried blocks a trip (the rotation of the carry from one tuple slot to the next), ~1,000 copy kernels a
    step at batch 1 (memcpy kernels 1.8 ms in the profile), and the step's kernels leave ~1.8 ms of gaps
 29 (dropped in session 24: tests/gpu's "kernel_proj_fills" mode case, for DISTINCT_FILLS, which call 28 removed)
-30 the MLA attention's key blocks on a GPU (session 24): k3-mini decode at batch 64 with a page table of 16k
-   tokens a sequence (as an engine with max_seq_len 16k) and 1k in context, with the blocked form's
-   `mla.KEY_BLOCKS` "static" (every block of the table) and "needed" (the loop stops after the last block a
-   query sees: a device-bounded loop, whose condition XLA reads back to the host every trip) and the dense
-   form; then 16k in context, static against needed (~5 min) -> k3_mini_blocks_1k.json,
+30 the MLA attention's key blocks on a GPU (session 24): tests/gpu/test_mla_gpu.py (the blocked form, static
+   and needed, and the dense one against float64 at k3-mini's widths; static == needed bit for bit; no f32
+   copy of the pool in the compiled temporaries, which the CPU's XLA makes), then k3-mini decode at batch
+   64 with a page table of 16k tokens a sequence (as an engine with max_seq_len 16k) and 1k in context,
+   with the blocked form's `mla.KEY_BLOCKS` "static" (every block of the table) and "needed" (the loop
+   stops after the last block a query sees: a device-bounded loop, whose condition XLA reads back to the
+   host every trip) and the dense form; then 16k in context, static against needed (~6 min) -> tests.txt,
+   k3_mini_blocks_1k.json,
    k3_mini_blocks_16k.json. Prediction: at 1k in the 16k table static ~13 ms (the whole table scored, as
    call 4's 64 x 16k) and needed ~6.5 (MLA ~0.6 ms plus a host read per trip); at 16k needed within 3% of
    static (9 reads a layer). Rule: "auto" takes "needed" on a GPU too if it is >= 30% faster at 1k in the
@@ -387,6 +390,7 @@ case "$1" in
     tar czf "$OUT/hlo.tgz" -C "$OUT" hlo && rm -r "$OUT/hlo"
     ;;
 30)
+    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
     step k3_mini_blocks_1k timeout 300 python3 bench/k3_mini_h200.py --batch 64 --context 1024 --table-tokens 16384 \
         --impl pallas --mla-form blocked dense --mla-blocks static needed --iters 10 --profile-steps 3 \
         --out "$OUT/k3_mini_blocks_1k.json"
