@@ -46,18 +46,16 @@ def test_needed_blocks_stop_at_the_last_visible_key():
     "static" (the skipped blocks add exact zeros), and the blocks past it are never read: poisoned with NaN
     there, "static" returns NaN (0 x NaN in the weighted sum, as the reference would) and "needed" does not."""
     q, pos, rows, pages, kv_len = inputs(jnp.bfloat16)
-    kw = dict(layer=1, scale=DK ** -0.5, v_dim=VD, block_pages=2)  # 8 keys a block, 4 blocks; 13 keys needed
-    run = lambda pages, blocks: np.asarray(jax.jit(lambda *a: mla.mla_paged_attention_xla(*a, blocks=blocks, **kw))(
-        q, pos, rows[:3], pages, kv_len[:3]))  # groups 0-2: at most 13 keys visible
-    pos = pos[:3]
-    q = q[:3]
+    q, pos, rows, kv_len = q[:3], pos[:3], rows[:3], kv_len[:3]  # groups 0-2: at most 13 keys visible
+    kw = dict(layer=1, scale=DK ** -0.5, v_dim=VD)
+    run = lambda pages, blocks: np.asarray(jax.jit(lambda *a: mla.mla_paged_attention_xla(
+        *a, blocks=blocks, block_pages=2, **kw))(q, pos, rows, pages, kv_len))  # 8 keys a block, 4 blocks
     static, needed = run(pages, "static"), run(pages, "needed")
     np.testing.assert_array_equal(needed, static)
-    np.testing.assert_allclose(needed, np.asarray(mla.mla_paged_attention_ref(q, pos, rows[:3], pages, kv_len[:3],
-                                                                              layer=1, scale=DK ** -0.5, v_dim=VD)),
+    np.testing.assert_allclose(needed, np.asarray(mla.mla_paged_attention_ref(q, pos, rows, pages, kv_len, **kw)),
                                rtol=2e-5, atol=2e-6)
     # the pages of blocks 2 and 3 (keys 16-31) of every group, poisoned
-    poisoned = pages.at[rows[:3, 4:].reshape(-1), 1].set(jnp.nan)
+    poisoned = pages.at[rows[:, 4:].reshape(-1), 1].set(jnp.nan)
     assert np.isnan(run(poisoned, "static")).any()
     np.testing.assert_array_equal(run(poisoned, "needed"), needed)
 
@@ -94,18 +92,26 @@ def test_key_block_pages_keeps_the_budget():
     assert mla.key_block_pages(1, 1, 4, 3, 16, 24, 1 << 40) == 3  # everything fits: one block
 
 
-def test_blocked_memory_does_not_grow_with_the_context(monkeypatch):
-    """Compiled temporaries (no allocation): the reference's grow with groups x context; the blocked form's
-    stay near one block's budget."""
-    monkeypatch.setattr(mla, "KEY_BLOCK_BYTES", 4 << 20)
-    g, c, h, dk, p = 16, 64, 4, 64, 256  # 4,096 keys a group
+def compiled_temps(G, C, H, Dk, v_dim, pool_pages, page_rows, layers, ps=16):
+    """The compiled temporaries (bytes, no allocation) of the dense and the blocked form for [G, C, H, Dk]
+    queries over `page_rows` pages a group of a bf16 pool of `pool_pages` x `layers` pages (read at its
+    last layer). Also used by tests/gpu/test_mla_gpu.py."""
     sds = jax.ShapeDtypeStruct
-    args = (sds((g, c, h, dk), jnp.float32), sds((g, c), jnp.int32), sds((g, p), jnp.int32),
-            sds((p + 1, 1, 16, dk), jnp.bfloat16), sds((g,), jnp.int32))
+    args = (sds((G, C, H, Dk), jnp.float32), sds((G, C), jnp.int32), sds((G, page_rows), jnp.int32),
+            sds((pool_pages, layers, ps, Dk), jnp.bfloat16), sds((G,), jnp.int32))
     temp = {}
     for name, fn in (("dense", mla.mla_paged_attention_ref), ("blocked", mla.mla_paged_attention_xla)):
-        f = jax.jit(lambda *a, fn=fn: fn(*a, layer=0, scale=0.125, v_dim=32))
+        f = jax.jit(lambda *a, fn=fn: fn(*a, layer=layers - 1, scale=Dk ** -0.5, v_dim=v_dim))
         temp[name] = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return temp
+
+
+def test_blocked_memory_does_not_grow_with_the_context(monkeypatch):
+    """Compiled temporaries: the reference's grow with groups x context; the blocked form's stay near one
+    block's budget."""
+    monkeypatch.setattr(mla, "KEY_BLOCK_BYTES", 4 << 20)
+    g, c, h, dk, p = 16, 64, 4, 64, 256  # 4,096 keys a group
+    temp = compiled_temps(g, c, h, dk, 32, p + 1, p, 1)
     scores = g * c * h * p * 16 * 4  # the reference's f32 scores alone: 64 MiB
     assert temp["dense"] >= scores, temp
     assert temp["blocked"] <= 3 * (4 << 20) + g * c * h * 32 * 4 * 2, temp  # ~a block, plus the carried sums

@@ -15,6 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402
+from tests.test_mla import compiled_temps  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -75,13 +76,7 @@ def test_blocked_temporaries_stay_near_one_block(monkeypatch):
     XLA moves the keys' convert ahead of their gather and out of the loop (1.2 GB for this 0.6 GB pool, seen
     in session 24), and this asks whether the GPU's does (device call 4's temporaries said no)."""
     monkeypatch.setattr(mla, "KEY_BLOCK_BYTES", 64 << 20)
-    sds = jax.ShapeDtypeStruct
     G, C, Pw = 64, 64, 256  # 4,096 keys a group
-    args = (sds((G, C, H, DK), jnp.float32), sds((G, C), jnp.int32), sds((G, Pw), jnp.int32),
-            sds((G * Pw + 1, 2, PS, DK), jnp.bfloat16), sds((G,), jnp.int32))
-    temp = {}
-    for name, fn in (("dense", mla.mla_paged_attention_ref), ("blocked", mla.mla_paged_attention_xla)):
-        f = jax.jit(lambda *a, fn=fn: fn(*a, layer=1, scale=SCALE, v_dim=VD))
-        temp[name] = f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    temp = compiled_temps(G, C, H, DK, VD, G * Pw + 1, Pw, 2, PS)
     assert temp["dense"] >= G * C * H * Pw * PS * 4, temp  # every f32 score: 768 MiB
     assert temp["blocked"] <= 4 * (64 << 20) + 2 * G * C * H * VD * 4, temp
