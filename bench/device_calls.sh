@@ -209,6 +209,15 @@ calls() {
    call 4's 64 x 16k) and needed ~6.5 (MLA ~0.6 ms plus a host read per trip); at 16k needed within 3% of
    static (9 reads a layer). Rule: "auto" takes "needed" on a GPU too if it is >= 30% faster at 1k in the
    16k table and <= 5% slower at 16k
+31 the MLA decode kernel (session 25, `mla.mla_decode_mgpu`: Mosaic GPU, absorbed, ragged, q and the weights in
+   two bf16 halves, key-range splits combined in XLA): tests/gpu/test_mla_gpu.py, then bench/mla_decode.py at
+   batch 1, 64, 256 x context 1k, 4k, 16k (kernel and the blocked XLA form), then k3-mini decode at batch 1
+   and 64 with 16k in context, the kernel against the blocked form (~8 min) -> tests.txt, mla_decode.json,
+   k3_mini_mla_kernel.json. Prediction: the tests pass (error vs float64 < 1e-4); the kernel reads the keys at
+   >= 0.6 of copy bandwidth at batch >= 64 with 4k+ (one CTA an SM, 72 KiB in flight each) and is >= 5x faster
+   than the blocked form there; k3-mini's 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms). Rule: with
+   the tests passing, GPU_KERNELS["mla_paged_attention"] becomes True (the kernel by default on a Hopper GPU)
+   if it is faster than the blocked form at every measured shape
 EOF
 }
 
@@ -396,6 +405,13 @@ case "$1" in
         --out "$OUT/k3_mini_blocks_1k.json"
     step k3_mini_blocks_16k timeout 200 python3 bench/k3_mini_h200.py --batch 64 --context 16384 --impl pallas \
         --mla-form blocked --mla-blocks static needed --iters 10 --profile-steps 3 --out "$OUT/k3_mini_blocks_16k.json"
+    ;;
+31)
+    gpu_tests tests 150 -q tests/gpu/test_mla_gpu.py
+    step mla_decode timeout 200 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 4096 16384 \
+        --out "$OUT/mla_decode.json"
+    step k3_mini_mla_kernel timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
+        --mla-form kernel blocked --iters 10 --profile-steps 3 --out "$OUT/k3_mini_mla_kernel.json"
     ;;
 26|27)
     T=tests/gpu/test_engine_gpu.py::test_batch_invariant_mode_on_kernels

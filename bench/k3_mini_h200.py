@@ -238,10 +238,13 @@ def main(argv=None):
                     help="TMA stages of the grouped-matmul kernel (`pallas_kernels.moe.STAGES`; 0, the default: "
                          "its setting) for the rows that run it (--moe-impl auto or pallas, and the mode's kernel "
                          "form); rows marked moe_stages")
-    ap.add_argument("--mla-form", nargs="*", default=[mla_kernels.XLA_FORM], choices=["blocked", "dense"],
-                    help="the MLA attention's XLA form (`pallas_kernels.mla.XLA_FORM`, the default): blocked = keys in "
-                         "page blocks with an online softmax (memory of one block), dense = the one-pass reference "
-                         "(every key gathered in f32, every score held); rows marked mla_form")
+    ap.add_argument("--mla-form", nargs="*", default=["kernel" if mla_kernels.DECODE_KERNEL else mla_kernels.XLA_FORM],
+                    choices=["kernel", "blocked", "dense"],
+                    help="the MLA attention: kernel = the decode kernel for the pallas rows' decode and verify groups "
+                         "(`pallas_kernels.mla.DECODE_KERNEL`, the default; the blocked XLA form elsewhere), or the XLA "
+                         "form alone (`pallas_kernels.mla.XLA_FORM`): blocked = keys in page blocks with an online "
+                         "softmax (memory of one block), dense = the one-pass reference (every key gathered in f32, "
+                         "every score held); rows marked mla_form")
     ap.add_argument("--mla-blocks", nargs="*", default=[mla_kernels.KEY_BLOCKS], choices=["auto", "static", "needed"],
                     help="the blocked form's key blocks (`pallas_kernels.mla.KEY_BLOCKS`, the default): static = every "
                          "block of the page table (a loop of known trip count), needed = up to the last block a query "
@@ -296,7 +299,8 @@ def main(argv=None):
             row["invariant_experts"], row["expert_group"], row["invariant_proj"] = ie, eg, ip
         row["moe_impl"] = mi
         row["mla_form"] = mf
-        mla_kernels.XLA_FORM = mf  # read when the step is traced
+        mla_kernels.DECODE_KERNEL = mf == "kernel"  # read when the step is traced
+        mla_kernels.XLA_FORM = "blocked" if mf == "kernel" else mf  # read when the step is traced
         if mf == "blocked":
             mla_kernels.KEY_BLOCKS = mb  # read when the step is traced
             row["mla_blocks"] = mla_kernels.key_blocks()

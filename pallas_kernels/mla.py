@@ -11,16 +11,28 @@ The XLA path (`mla_paged_attention_xla`) reads the keys in blocks of whole pages
 (online) softmax, so its memory is one block's keys and scores (`KEY_BLOCK_BYTES`), whatever the
 context; `mla_paged_attention_ref` is the one-pass form (every key gathered in f32, every score held:
 quadratic in a prefill chunk's context), kept as the spec and as `XLA_FORM = "dense"`.
+
+`mla_decode_mgpu` is the Mosaic GPU kernel for decode and verify groups (impl "pallas"; "pallas_interpret"
+runs it in Mosaic GPU's interpret mode on the CPU), behind `DECODE_KERNEL`; docs/kernels.md describes it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.kda.mgpu import _bf16_tiled, _gpu_interpret_params
+from pallas_kernels.kda.mgpu import load_tile as _load
 
-IMPLS = ("xla",)  # implemented; "pallas", "pallas_interpret" and "auto" run "xla" for now
+IMPLS = ("xla", "pallas", "pallas_interpret")  # the kernels: decode and verify groups (`mla_decode_mgpu`)
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
 
 # The XLA path's form: "blocked" (the default: keys in blocks, online softmax) or "dense" (the reference's
 # one pass; its temporaries grow with groups x context: a 16k prefill chunk needs ~28 GB on k3-mini).
@@ -119,11 +131,210 @@ def mla_paged_attention_xla(q, q_pos, page_rows, pages, kv_len, *, layer, scale,
     return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
 
 
+# ---- the decode kernel (Mosaic GPU) ----------------------------------------------------------------
+
+DECODE_BLOCK = 32  # keys a block of the decode kernel (one TMA ring stage: 32 x 576 bf16 = 36 KiB)
+DECODE_STAGES = 2  # ring stages; with q's two bf16 halves (144 KiB) the CTA takes ~216 KiB of shared memory
+DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: decode and verify; prefill runs XLA
+# Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
+# impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 31); the
+# CPU tests and the bench's "kernel" rows turn it on.
+DECODE_KERNEL = False
+DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" (`decode_splits`) or an int
+_SMS = 132  # H100 / H200 SMs: the CTA count the splits aim at
+
+
+def decode_supported(q_shape, pages_shape, pages_dtype, v_dim) -> bool:
+    """Whether the decode kernel takes these shapes: bf16 pages; C x H rows within `DECODE_MAX_ROWS`; Dk a
+    multiple of 64 and v_dim of 128; pages of a size that divides or is divided by `DECODE_BLOCK`."""
+    _, C, H, Dk = q_shape
+    ps = pages_shape[2]
+    return (jnp.dtype(pages_dtype) == jnp.bfloat16 and C * H <= DECODE_MAX_ROWS and Dk % 64 == 0 and v_dim % 128 == 0
+            and v_dim <= Dk and (ps % DECODE_BLOCK == 0 or DECODE_BLOCK % ps == 0))
+
+
+def decode_splits(groups: int, table_keys: int) -> int:
+    """Splits of each (group, row block)'s keys for the decode kernel: enough CTAs (two per split: the
+    value halves) for two per SM, with at least 4 blocks a split over the page table's keys; at most 64."""
+    if DECODE_SPLITS != "auto":
+        return max(1, int(DECODE_SPLITS))
+    want = -(-2 * _SMS // (2 * groups))
+    return int(max(1, min(want, 64, table_keys // (4 * DECODE_BLOCK))))
+
+
+def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, interpret=False):
+    """The absorbed, ragged MLA attention as a Mosaic GPU kernel (`mla_paged_attention`'s arguments and
+    result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`).
+
+    Grid (group row block, split, value half): a CTA holds 64 query rows (C x H, padded) of one group in
+    shared memory as two bf16 halves (q = hi + lo to ~16 bits, so the scores are as exact as f32 products
+    with the bf16 keys), reads its split of the group's keys, `DECODE_BLOCK` at a time, by TMA from the pages
+    the page table names (a `DECODE_STAGES` ring), scores them on the tensor cores (two wgmma, f32
+    accumulation), folds them into a running max and sum in registers (masked by each row's last visible
+    key: min(position, kv_len - 1)), and accumulates the weights (split hi + lo) times its half of the value
+    channels. Only the blocks up to the last key any row of the group sees are read (the loop's trip count
+    comes from the group's own positions), so a group costs its own context. The splits' outputs (divided
+    by their sums) and log-sum-exps are combined in XLA; rows with no visible key give zeros."""
+    G, C, H, Dk = q.shape
+    P = page_rows.shape[1]
+    ps = pages.shape[2]
+    assert decode_supported(q.shape, pages.shape, pages.dtype, v_dim), (q.shape, pages.shape, pages.dtype, v_dim)
+    f32, bf = jnp.float32, jnp.bfloat16
+    M = C * H
+    RB = -(-M // 64)  # row blocks of 64 a group
+    GR = G * RB
+    BK, NST = DECODE_BLOCK, DECODE_STAGES
+    VH = v_dim // 2
+    NS = splits or decode_splits(GR, P * ps)
+    per_copy = min(ps, BK)  # keys a TMA copy brings: a whole page, or a block's part of one
+    copies = BK // per_copy
+
+    rows = (q.astype(f32) * scale).reshape(G, M, Dk)
+    rows = jnp.pad(rows, ((0, 0), (0, RB * 64 - M), (0, 0))).reshape(GR, 64, Dk)
+    q_hi = rows.astype(bf)
+    q_lo = (rows - q_hi.astype(f32)).astype(bf)
+    lim = jnp.where(q_pos < 0, -1, jnp.minimum(q_pos, kv_len[:, None] - 1)).astype(jnp.int32)  # [G, C]
+    lim = jnp.pad(jnp.repeat(lim, H, axis=1), ((0, 0), (0, RB * 64 - M)), constant_values=-1).reshape(GR, 64)
+    nblk = (-(-(lim.max(axis=1) + 1) // BK)).astype(jnp.int32)  # [GR] blocks a row block reads
+    page_rows = page_rows.astype(jnp.int32)
+
+    def kernel(qh_ref, ql_ref, lim_ref, nblk_ref, rows_ref, pages_ref, o_ref, lse_ref,
+               qh_s, ql_s, lim_s, k_s, lse_s, qbar, kbar):
+        gr = lax.axis_index("rows")
+        s = lax.axis_index("split")
+        half = lax.axis_index("half")
+        g = gr // RB
+        nb = nblk_ref[gr]
+        per = (nb + NS - 1) // NS
+        start = s * per
+        cnt = jnp.clip(nb - start, 0, per)
+
+        plgpu.copy_gmem_to_smem(qh_ref.at[gr], qh_s, qbar.at[0])
+        plgpu.copy_gmem_to_smem(ql_ref.at[gr], ql_s, qbar.at[0])
+        plgpu.copy_gmem_to_smem(lim_ref.at[gr], lim_s, qbar.at[0])
+
+        def issue(i, slot):  # block start + i of the group's keys -> ring slot
+            for j in range(copies):
+                key0 = (start + i) * BK + j * per_copy
+                page = rows_ref[g, jnp.minimum(key0 // ps, P - 1)]
+                src = pages_ref.at[page, layer, pl.ds(lax.rem(key0, ps), per_copy)] if ps > per_copy else \
+                    pages_ref.at[page, layer]
+                plgpu.copy_gmem_to_smem(src, k_s.at[slot, pl.ds(j * per_copy, per_copy)], kbar.at[slot])
+
+        for st in range(NST):
+            pl.when(st < cnt)(functools.partial(issue, st, st))
+        plgpu.barrier_wait(qbar.at[0])
+        if interpret:
+            limv = lim_s[...]
+            m0, l0, acc0 = jnp.full((64,), -jnp.inf, f32), jnp.zeros((64,), f32), jnp.zeros((64, VH), f32)
+        else:
+            limv = _load(lim_s, _ROW)
+            m0 = plgpu.layout_cast(jnp.full((64,), -jnp.inf, f32), _ROW)
+            l0 = plgpu.layout_cast(jnp.zeros((64,), f32), _ROW)
+            acc0 = plgpu.layout_cast(jnp.zeros((64, VH), f32), _WGMMA)
+
+        def scores(slot):  # [64, BK] f32: (q_hi + q_lo) . keys
+            if interpret:
+                kf = k_s.at[slot][...].astype(f32).T
+                dot = lambda a: jnp.dot(a[...].astype(f32), kf, precision=lax.Precision.HIGHEST)
+                return dot(qh_s) + dot(ql_s)
+            kT = plgpu.transpose_ref(k_s.at[slot], (1, 0))
+
+            def fn(acc):
+                plgpu.wgmma(acc, qh_s, kT)
+                plgpu.wgmma(acc, ql_s, kT)
+                return acc[...]
+
+            return pl.run_scoped(fn, plgpu.ACC((64, BK), f32))
+
+        def weighted(acc, p, slot):  # acc + p @ (this half's value channels of the block's keys)
+            v = k_s.at[slot, :, pl.ds(half * VH, VH)]
+            p_hi = p.astype(bf)
+            p_lo = (p - p_hi.astype(f32)).astype(bf)
+            if interpret:
+                vf = v[...].astype(f32)
+                dot = lambda a: jnp.dot(a.astype(f32), vf, precision=lax.Precision.HIGHEST)
+                return acc + dot(p_hi) + dot(p_lo)
+
+            def fn(acc_ref):
+                plgpu.wgmma(acc_ref, p_hi, v)
+                plgpu.wgmma(acc_ref, p_lo, v)
+
+            return pl.run_state(fn)(plgpu.ACC.init(acc))
+
+        def body(i, carry):
+            m, l, acc = carry
+            slot = lax.rem(i, NST)
+            plgpu.barrier_wait(kbar.at[slot])
+            sc = scores(slot)
+            kpos = (start + i) * BK + (lax.broadcasted_iota(jnp.int32, (64, BK), 1) if interpret else
+                                       plgpu.broadcasted_iota(jnp.int32, (64, BK), 1, layout=_WGMMA))
+            sc = jnp.where(kpos <= lax.broadcast_in_dim(limv, (64, BK), (0,)), sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(axis=1))
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: every term exp(-inf) = 0
+            p = jnp.exp(sc - lax.broadcast_in_dim(shift, (64, BK), (0,)))
+            alpha = jnp.exp(m - shift)
+            l = l * alpha + p.sum(axis=1)
+            acc = weighted(acc * lax.broadcast_in_dim(alpha, (64, VH), (0,)), p, slot)
+
+            @pl.when(i + NST < cnt)  # the slot's wgmma are done: refill it
+            def _():
+                issue(i + NST, slot)
+
+            return m_new, l, acc
+
+        m, l, acc = lax.fori_loop(0, cnt, body, (m0, l0, acc0))
+        seen = l > 0
+        inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        o_ref.at[gr, s, :, pl.ds(half * VH, VH)][...] = acc * lax.broadcast_in_dim(inv, (64, VH), (0,))
+        lse_s[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[gr, s, half])  # both halves: the same sums
+        plgpu.wait_smem_to_gmem(0)
+
+    # 64-byte swizzles: a wgmma's K (the block's 32 keys, in the weighted sum) must be a multiple of the swizzle's
+    # 32 bf16 columns, and the A operands' swizzle must match their B operands'
+    tiled = (lambda cols: {}) if interpret else (lambda cols: _bf16_tiled(cols, 2 * BK))
+    sds = jax.ShapeDtypeStruct
+    f = plgpu.kernel(
+        kernel,
+        out_type=[sds((GR, NS, 64, v_dim), f32), sds((GR, NS, 2, 64), f32)],
+        grid=(GR, NS, 2),
+        grid_names=("rows", "split", "half"),
+        scratch_types=[
+            plgpu.SMEM((64, Dk), bf, **tiled(Dk)),
+            plgpu.SMEM((64, Dk), bf, **tiled(Dk)),
+            plgpu.SMEM((64,), jnp.int32),
+            plgpu.SMEM((NST, BK, Dk), bf, **tiled(Dk)),
+            plgpu.SMEM((64,), f32),
+            plgpu.Barrier(num_arrivals=3, num_barriers=1),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=NST),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+        kernel_name="mla_decode_mgpu",
+        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+    )
+    o, lse = f(q_hi, q_lo, lim, nblk, page_rows, pages)
+    lse = lse[:, :, 0]
+    if NS > 1:  # the splits' softmaxes combined: weights exp(lse_s - logsumexp_s lse_s)
+        top = lse.max(axis=1, keepdims=True)
+        w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [GR, NS, 64]; 0 for an empty split
+        tot = w.sum(axis=1)
+        o = jnp.einsum("gsr,gsrv->grv", w, o, precision=lax.Precision.HIGHEST)
+        o = o / jnp.where(tot > 0, tot, 1.0)[..., None]
+    else:
+        o = o[:, 0]
+    return o.reshape(G, RB * 64, v_dim)[:, :M].reshape(G, C, H, v_dim)
+
+
 def mla_paged_attention(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, impl="xla"):
-    # validates the name; MLA has no Pallas kernel yet, so every impl runs the XLA path (a model
-    # run with impl="pallas" uses the KDA kernels and this)
-    resolve_impl(impl, "mla_paged_attention")
+    """impl "pallas" (a Hopper GPU) / "pallas_interpret" (CPU): the decode kernel where it applies
+    (`decode_supported`: decode and verify groups over bf16 pages), else the XLA path, as "xla"."""
+    impl = resolve_impl(impl, "mla_paged_attention")
     if XLA_FORM not in ("blocked", "dense"):
         raise ValueError(f"mla.XLA_FORM must be 'blocked' or 'dense', got {XLA_FORM!r}")
+    if impl != "xla" and DECODE_KERNEL and decode_supported(q.shape, pages.shape, pages.dtype, v_dim):
+        return mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, layer=layer, scale=scale, v_dim=v_dim,
+                               interpret=impl == "pallas_interpret")
     form = mla_paged_attention_xla if XLA_FORM == "blocked" else mla_paged_attention_ref
     return form(q, q_pos, page_rows, pages, kv_len, layer=layer, scale=scale, v_dim=v_dim)

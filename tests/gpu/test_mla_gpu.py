@@ -3,7 +3,9 @@ online softmax) with "static" and "needed" key blocks, and the dense one-pass fo
 reference, at k3-mini's widths (12 heads, 576-wide keys, 512-wide values) with prefill-like (64 queries a
 group) and decode-like (1 query a group) calls over contexts from empty to full; and the blocked form's
 compiled temporaries against the dense form's. Bit equality of "static" and "needed" is what the
-batch-invariant mode relies on (device call 30 times the two)."""
+batch-invariant mode relies on (device call 30 times the two). The decode kernel (`mla.mla_decode_mgpu`) against
+the same reference for decode (1 query a group) and verify (8 queries: two row blocks of 64 rows), with and
+without key-range splits, and a NaN-poisoned page past a group's last visible block left unread."""
 
 import numpy as np
 import pytest
@@ -80,3 +82,32 @@ def test_blocked_temporaries_stay_near_one_block(monkeypatch):
     temp = compiled_temps(G, C, H, DK, VD, G * Pw + 1, Pw, 2, PS)
     assert temp["dense"] >= G * C * H * Pw * PS * 4, temp  # every f32 score: 768 MiB
     assert temp["blocked"] <= 4 * (64 << 20) + 2 * G * C * H * VD * 4, temp
+
+
+@pytest.mark.parametrize("G,C,ps,splits", [(64, 1, 16, None), (64, 1, 64, 1), (8, 8, 16, None), (3, 1, 64, 7)])
+def test_decode_kernel_against_float64(G, C, ps, splits):
+    """Within 1e-4 of float64 (q and the weights in two bf16 halves: ~f32 arithmetic on the bf16 keys), where
+    the XLA path's f32 products (TF32 on the tensor cores) are checked to 5e-3 above."""
+    q, pos, rows, pages, kv_len = _case(G, C, seed=1)
+    want = _reference(q, pos, rows, pages, kv_len)
+    if ps != PS:  # the same keys in pages of ps tokens (page 0, the sink, zeros)
+        n = P * PS // ps
+        keys = pages[rows].transpose(0, 2, 1, 3, 4).reshape(G, 2, n, ps, DK).transpose(0, 2, 1, 3, 4)
+        pages = jnp.concatenate([jnp.zeros((1, 2, ps, DK), pages.dtype), keys.reshape(G * n, 2, ps, DK)])
+        rows = jnp.arange(1, G * n + 1, dtype=jnp.int32).reshape(G, n)
+    got = np.asarray(jax.jit(lambda *a: mla.mla_decode_mgpu(*a, layer=1, scale=SCALE, v_dim=VD, splits=splits))(
+        q, pos, rows, pages, kv_len))
+    assert np.isfinite(got).all()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+    assert not got[0].any()  # an empty context gives zeros
+
+
+def test_decode_kernel_reads_only_the_blocks_it_needs():
+    q, pos, rows, pages, kv_len = _case(4, 1, seed=2)
+    kv_len = jnp.array([0, 20, 33, 100], jnp.int32)
+    pos = kv_len[:, None] - 1
+    f = jax.jit(lambda pages: mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, layer=1, scale=SCALE, v_dim=VD))
+    clean = np.asarray(f(pages))
+    poisoned = pages.at[rows[:, 8:].reshape(-1), 1].set(jnp.nan)  # keys 128 and on: past every group's blocks
+    np.testing.assert_array_equal(np.asarray(f(poisoned)), clean)
