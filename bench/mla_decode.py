@@ -89,6 +89,9 @@ def main(argv=None):
     ap.add_argument("--ragged", action="store_true", help="contexts drawn from 1..context instead of all equal")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--splits", nargs="+", default=["auto"], help="the kernel's key-range splits (mla.DECODE_SPLITS)")
+    ap.add_argument("--packed", nargs="+", default=["auto"], choices=["auto", "1", "0"],
+                    help="the kernel's q layout (mla.DECODE_PACKED): auto, 1 = q's two halves in one tile (32 rows a "
+                         "block, 3 ring stages), 0 = in two tiles (64 rows a block, 2 stages)")
     ap.add_argument("--forms", nargs="+", default=["kernel", "blocked"], choices=["kernel", "blocked", "needed", "dense"],
                     help="kernel = the decode kernel; blocked = the XLA path's blocked form with its GPU default key "
                          "blocks (static); needed = the same with KEY_BLOCKS needed; dense = the one-pass reference")
@@ -114,11 +117,14 @@ def main(argv=None):
                 nbytes = int(np.maximum(seen, 0).sum()) * DK * 2
                 base = None
                 for form in sorted(args.forms, key=lambda f: f != "blocked"):  # the baseline first
-                    for sp in (args.splits if form == "kernel" else ["-"]):
+                    for sp, pk in ([(x, y) for x in args.splits for y in args.packed] if form == "kernel" else [("-", "-")]):
                         row = {"queries": C, "batch": B, "context": ctx, "form": form, "key_bytes": nbytes}
                         if form == "kernel":
                             mla.DECODE_SPLITS = sp if sp == "auto" else int(sp)
-                            row["splits"] = mla.decode_splits(B * -(-(C * H) // 64), a[2].shape[1] * args.page_size)
+                            mla.DECODE_PACKED = pk if pk == "auto" else pk == "1"
+                            row["packed"], row["stages"] = mla.decode_layout(C * H)
+                            rb = -(-(C * H) // (32 if row["packed"] else 64))
+                            row["splits"] = mla.decode_splits(B * rb, a[2].shape[1] * args.page_size)
                             f = jax.jit(lambda *x: mla.mla_decode_mgpu(*x, **kw))
                         else:
                             f = jax.jit(forms[form])
@@ -142,10 +148,11 @@ def main(argv=None):
                             row["rel_err_vs_f64"] = float(np.abs(out[gs] - want).max() / np.abs(want).max())
                         res["results"].append(row)
                         write_json(args.out, res)
-                        print(f"C {C} B {B:4} ctx {ctx:6} {form:8} splits {row.get('splits', '-')!s:3} {ms:8.3f} ms "
+                        print(f"C {C} B {B:4} ctx {ctx:6} {form:8} splits {row.get('splits', '-')!s:3} "
+                              f"packed {row.get('packed', '-')!s:5} {ms:8.3f} ms "
                               f"{row['bandwidth_frac']:.2f} of copy bw  err f64 {row.get('rel_err_vs_f64', float('nan')):.1e}"
                               f"  vs blocked {row.get('rel_err_vs_blocked', float('nan')):.1e}", flush=True)
-    mla.DECODE_SPLITS = "auto"
+    mla.DECODE_SPLITS, mla.DECODE_PACKED = "auto", "auto"
 
 
 if __name__ == "__main__":

@@ -134,7 +134,12 @@ def mla_paged_attention_xla(q, q_pos, page_rows, pages, kv_len, *, layer, scale,
 # ---- the decode kernel (Mosaic GPU) ----------------------------------------------------------------
 
 DECODE_BLOCK = 32  # keys a block of the decode kernel (one TMA ring stage: 32 x 576 bf16 = 36 KiB)
-DECODE_STAGES = 2  # ring stages; with q's two bf16 halves (144 KiB) the CTA takes ~216 KiB of shared memory
+DECODE_STAGES = None  # ring stages (None: 3 packed, 2 not; see DECODE_PACKED), within ~227 KiB of shared memory
+# Where q's two bf16 halves go: "auto" packs them into one 64-row tile when a row block's rows fit in 32 (decode:
+# 12 rows; hi in rows r, lo in rows r + 32: one wgmma a product, the two halves' scores summed through shared
+# memory, q in 72 KiB, room for 3 ring stages); otherwise (False, or verify's 96 rows) two 64-row tiles (two
+# wgmma a product, 144 KiB, 2 stages)
+DECODE_PACKED = "auto"
 DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: decode and verify; prefill runs XLA
 # Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
 # impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 31); the
@@ -154,52 +159,73 @@ def decode_supported(q_shape, pages_shape, pages_dtype, v_dim) -> bool:
 
 
 def decode_splits(groups: int, table_keys: int) -> int:
-    """Splits of each (group, row block)'s keys for the decode kernel: enough CTAs (two per split: the
-    value halves) for two per SM, with at least 4 blocks a split over the page table's keys; at most 64."""
+    """Splits of each (group, row block)'s keys for the decode kernel: enough CTAs (two a split: the value
+    halves) for two waves (one CTA fits an SM: ~216 KiB of shared memory), with at least 4 blocks a split
+    over the page table's keys; at most 64."""
     if DECODE_SPLITS != "auto":
         return max(1, int(DECODE_SPLITS))
-    want = -(-2 * _SMS // (2 * groups))
+    want = 2 * _SMS // (2 * groups)
     return int(max(1, min(want, 64, table_keys // (4 * DECODE_BLOCK))))
 
 
-def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, interpret=False):
+def decode_layout(rows: int) -> tuple[bool, int]:
+    """(packed, stages) of the decode kernel for a group of `rows` query rows (`DECODE_PACKED`, `DECODE_STAGES`)."""
+    if DECODE_PACKED not in ("auto", True, False):
+        raise ValueError(f"mla.DECODE_PACKED must be 'auto', True or False, got {DECODE_PACKED!r}")
+    packed = rows <= 32 if DECODE_PACKED == "auto" else DECODE_PACKED
+    return packed, DECODE_STAGES or (3 if packed else 2)
+
+
+def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, packed=None,
+                    stages=None, interpret=False):
     """The absorbed, ragged MLA attention as a Mosaic GPU kernel (`mla_paged_attention`'s arguments and
     result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`).
 
-    Grid (group row block, split, value half): a CTA holds 64 query rows (C x H, padded) of one group in
-    shared memory as two bf16 halves (q = hi + lo to ~16 bits, so the scores are as exact as f32 products
-    with the bf16 keys), reads its split of the group's keys, `DECODE_BLOCK` at a time, by TMA from the pages
-    the page table names (a `DECODE_STAGES` ring), scores them on the tensor cores (two wgmma, f32
-    accumulation), folds them into a running max and sum in registers (masked by each row's last visible
-    key: min(position, kv_len - 1)), and accumulates the weights (split hi + lo) times its half of the value
-    channels. Only the blocks up to the last key any row of the group sees are read (the loop's trip count
-    comes from the group's own positions), so a group costs its own context. The splits' outputs (divided
-    by their sums) and log-sum-exps are combined in XLA; rows with no visible key give zeros."""
+    Grid (group row block, split, value half). A CTA holds a row block of one group's query rows (C x H,
+    padded) in shared memory as two bf16 halves, q = hi + lo to ~16 bits, so the scores are as exact as
+    f32 products with the bf16 keys: packed (32 rows a block: hi in rows r, lo in rows r + 32 of one 64-row
+    tile, the halves' scores summed through shared memory) or not (64 rows a block, two tiles). It reads its
+    split of the group's keys `DECODE_BLOCK` at a time by TMA from the pages the page table names (a ring of
+    `stages`), scores them on the tensor cores (wgmma, f32 accumulation), folds them into a running max and
+    sum in registers (masked by each row's last visible key: min(position, kv_len - 1)), and accumulates the
+    weights (again hi + lo) times its half of the value channels. Only the blocks up to the last key any row
+    of the group sees are read (the loop's trip count comes from the group's own positions), so a group
+    costs its own context. The splits' outputs (divided by their sums) and log-sum-exps are combined in XLA;
+    rows with no visible key give zeros."""
     G, C, H, Dk = q.shape
     P = page_rows.shape[1]
     ps = pages.shape[2]
     assert decode_supported(q.shape, pages.shape, pages.dtype, v_dim), (q.shape, pages.shape, pages.dtype, v_dim)
     f32, bf = jnp.float32, jnp.bfloat16
     M = C * H
-    RB = -(-M // 64)  # row blocks of 64 a group
+    auto_packed, auto_stages = decode_layout(M)
+    packed = auto_packed if packed is None else packed
+    NST = stages or (auto_stages if packed == auto_packed else (3 if packed else 2))
+    RR = 32 if packed else 64  # query rows a row block
+    RB = -(-M // RR)
     GR = G * RB
-    BK, NST = DECODE_BLOCK, DECODE_STAGES
+    BK = DECODE_BLOCK
     VH = v_dim // 2
     NS = splits or decode_splits(GR, P * ps)
     per_copy = min(ps, BK)  # keys a TMA copy brings: a whole page, or a block's part of one
     copies = BK // per_copy
 
     rows = (q.astype(f32) * scale).reshape(G, M, Dk)
-    rows = jnp.pad(rows, ((0, 0), (0, RB * 64 - M), (0, 0))).reshape(GR, 64, Dk)
+    rows = jnp.pad(rows, ((0, 0), (0, RB * RR - M), (0, 0))).reshape(GR, RR, Dk)
     q_hi = rows.astype(bf)
     q_lo = (rows - q_hi.astype(f32)).astype(bf)
+    q_in = [jnp.concatenate([q_hi, q_lo], axis=1)] if packed else [q_hi, q_lo]  # [GR, 64, Dk] each
     lim = jnp.where(q_pos < 0, -1, jnp.minimum(q_pos, kv_len[:, None] - 1)).astype(jnp.int32)  # [G, C]
-    lim = jnp.pad(jnp.repeat(lim, H, axis=1), ((0, 0), (0, RB * 64 - M)), constant_values=-1).reshape(GR, 64)
+    lim = jnp.pad(jnp.repeat(lim, H, axis=1), ((0, 0), (0, RB * RR - M)), constant_values=-1).reshape(GR, RR)
     nblk = (-(-(lim.max(axis=1) + 1) // BK)).astype(jnp.int32)  # [GR] blocks a row block reads
+    if packed:
+        lim = jnp.concatenate([lim, lim], axis=1)
     page_rows = page_rows.astype(jnp.int32)
+    nq = len(q_in)
 
-    def kernel(qh_ref, ql_ref, lim_ref, nblk_ref, rows_ref, pages_ref, o_ref, lse_ref,
-               qh_s, ql_s, lim_s, k_s, lse_s, qbar, kbar):
+    def kernel(*refs):
+        q_refs, (lim_ref, nblk_ref, rows_ref, pages_ref, o_ref, lse_ref) = refs[:nq], refs[nq:nq + 6]
+        q_s, (lim_s, k_s, lse_s, s_s, qbar, kbar) = refs[nq + 6:2 * nq + 6], refs[2 * nq + 6:]
         gr = lax.axis_index("rows")
         s = lax.axis_index("split")
         half = lax.axis_index("half")
@@ -209,8 +235,8 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         start = s * per
         cnt = jnp.clip(nb - start, 0, per)
 
-        plgpu.copy_gmem_to_smem(qh_ref.at[gr], qh_s, qbar.at[0])
-        plgpu.copy_gmem_to_smem(ql_ref.at[gr], ql_s, qbar.at[0])
+        for src, dst in zip(q_refs, q_s):
+            plgpu.copy_gmem_to_smem(src.at[gr], dst, qbar.at[0])
         plgpu.copy_gmem_to_smem(lim_ref.at[gr], lim_s, qbar.at[0])
 
         def issue(i, slot):  # block start + i of the group's keys -> ring slot
@@ -227,38 +253,45 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         if interpret:
             limv = lim_s[...]
             m0, l0, acc0 = jnp.full((64,), -jnp.inf, f32), jnp.zeros((64,), f32), jnp.zeros((64, VH), f32)
+            iota = lambda d: lax.broadcasted_iota(jnp.int32, (64, BK), d)
         else:
             limv = _load(lim_s, _ROW)
             m0 = plgpu.layout_cast(jnp.full((64,), -jnp.inf, f32), _ROW)
             l0 = plgpu.layout_cast(jnp.zeros((64,), f32), _ROW)
             acc0 = plgpu.layout_cast(jnp.zeros((64, VH), f32), _WGMMA)
+            iota = lambda d: plgpu.broadcasted_iota(jnp.int32, (64, BK), d, layout=_WGMMA)
 
         def scores(slot):  # [64, BK] f32: (q_hi + q_lo) . keys
             if interpret:
                 kf = k_s.at[slot][...].astype(f32).T
-                dot = lambda a: jnp.dot(a[...].astype(f32), kf, precision=lax.Precision.HIGHEST)
-                return dot(qh_s) + dot(ql_s)
-            kT = plgpu.transpose_ref(k_s.at[slot], (1, 0))
+                sc = sum(jnp.dot(a[...].astype(f32), kf, precision=lax.Precision.HIGHEST) for a in q_s)
+            else:
+                kT = plgpu.transpose_ref(k_s.at[slot], (1, 0))
 
-            def fn(acc):
-                plgpu.wgmma(acc, qh_s, kT)
-                plgpu.wgmma(acc, ql_s, kT)
-                return acc[...]
+                def fn(acc):
+                    for a in q_s:
+                        plgpu.wgmma(acc, a, kT)
+                    return acc[...]
 
-            return pl.run_scoped(fn, plgpu.ACC((64, BK), f32))
+                sc = pl.run_scoped(fn, plgpu.ACC((64, BK), f32))
+            if packed:  # row r + (row r + 32) mod 64, in both: s_s holds the tile twice, rows 32-95 are it rolled
+                s_s[pl.ds(0, 64)] = sc
+                s_s[pl.ds(64, 64)] = sc
+                sc = sc + (s_s[pl.ds(32, 64)] if interpret else _load(s_s.at[pl.ds(32, 64)], _WGMMA, optimized=False))
+            return sc
 
         def weighted(acc, p, slot):  # acc + p @ (this half's value channels of the block's keys)
             v = k_s.at[slot, :, pl.ds(half * VH, VH)]
-            p_hi = p.astype(bf)
-            p_lo = (p - p_hi.astype(f32)).astype(bf)
+            p_hi = p.astype(bf).astype(f32)
+            ps_ = [jnp.where(iota(0) < 32, p_hi, p - p_hi)] if packed else [p_hi, p - p_hi]  # packed: hi rows, lo rows
+            ps_ = [x.astype(bf) for x in ps_]
             if interpret:
                 vf = v[...].astype(f32)
-                dot = lambda a: jnp.dot(a.astype(f32), vf, precision=lax.Precision.HIGHEST)
-                return acc + dot(p_hi) + dot(p_lo)
+                return acc + sum(jnp.dot(x.astype(f32), vf, precision=lax.Precision.HIGHEST) for x in ps_)
 
             def fn(acc_ref):
-                plgpu.wgmma(acc_ref, p_hi, v)
-                plgpu.wgmma(acc_ref, p_lo, v)
+                for x in ps_:
+                    plgpu.wgmma(acc_ref, x, v)
 
             return pl.run_state(fn)(plgpu.ACC.init(acc))
 
@@ -267,8 +300,7 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
             slot = lax.rem(i, NST)
             plgpu.barrier_wait(kbar.at[slot])
             sc = scores(slot)
-            kpos = (start + i) * BK + (lax.broadcasted_iota(jnp.int32, (64, BK), 1) if interpret else
-                                       plgpu.broadcasted_iota(jnp.int32, (64, BK), 1, layout=_WGMMA))
+            kpos = (start + i) * BK + iota(1)
             sc = jnp.where(kpos <= lax.broadcast_in_dim(limv, (64, BK), (0,)), sc, -jnp.inf)
             m_new = jnp.maximum(m, sc.max(axis=1))
             shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: every term exp(-inf) = 0
@@ -302,29 +334,31 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         grid=(GR, NS, 2),
         grid_names=("rows", "split", "half"),
         scratch_types=[
-            plgpu.SMEM((64, Dk), bf, **tiled(Dk)),
-            plgpu.SMEM((64, Dk), bf, **tiled(Dk)),
+            *[plgpu.SMEM((64, Dk), bf, **tiled(Dk)) for _ in range(nq)],
             plgpu.SMEM((64,), jnp.int32),
             plgpu.SMEM((NST, BK, Dk), bf, **tiled(Dk)),
             plgpu.SMEM((64,), f32),
-            plgpu.Barrier(num_arrivals=3, num_barriers=1),
+            plgpu.SMEM((128 if packed else 8, BK), f32),  # packed: the score tile twice
+            plgpu.Barrier(num_arrivals=nq + 1, num_barriers=1),
             plgpu.Barrier(num_arrivals=copies, num_barriers=NST),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        kernel_name="mla_decode_mgpu",
+        kernel_name="mla_decode_mgpu" + ("_packed" if packed else ""),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
-    o, lse = f(q_hi, q_lo, lim, nblk, page_rows, pages)
-    lse = lse[:, :, 0]
+    o, lse = f(*q_in, lim, nblk, page_rows, pages)
+    lse = lse[:, :, 0, :RR]
+    if packed:  # the hi rows' and the lo rows' weighted sums (the same softmax in both)
+        o = o[:, :, :32] + o[:, :, 32:]
     if NS > 1:  # the splits' softmaxes combined: weights exp(lse_s - logsumexp_s lse_s)
         top = lse.max(axis=1, keepdims=True)
-        w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [GR, NS, 64]; 0 for an empty split
+        w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # [GR, NS, RR]; 0 for an empty split
         tot = w.sum(axis=1)
         o = jnp.einsum("gsr,gsrv->grv", w, o, precision=lax.Precision.HIGHEST)
         o = o / jnp.where(tot > 0, tot, 1.0)[..., None]
     else:
         o = o[:, 0]
-    return o.reshape(G, RB * 64, v_dim)[:, :M].reshape(G, C, H, v_dim)
+    return o.reshape(G, RB * RR, v_dim)[:, :M].reshape(G, C, H, v_dim)
 
 
 def mla_paged_attention(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, impl="xla"):

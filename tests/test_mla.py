@@ -153,15 +153,17 @@ def kernel_case(G, C, H, ps, P, seed=0):
     return q, jnp.asarray(np.where(pos >= 0, pos, -1), jnp.int32), rows, pages, jnp.asarray(kv_len, jnp.int32)
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("C,H,ps,P,splits", [(1, 4, 16, 6, 1), (3, 4, 64, 2, 3), (5, 16, 16, 5, 2)])
-def test_decode_kernel_equals_the_reference(C, H, ps, P, splits):
+def test_decode_kernel_equals_the_reference(C, H, ps, P, splits, packed):
     """The kernel against the one-pass f32 reference: one query a group (decode) and several (verify); pages
-    smaller than a block (several copies a block) and larger (a block's part of a page); one row block and two
-    (5 x 16 = 80 rows); one split and several (the splits' softmaxes combined, empty splits included)."""
+    smaller than a block (several copies a block) and larger (a block's part of a page); one row block and
+    several (5 x 16 = 80 rows: two of 64, three packed blocks of 32); one split and several (the splits'
+    softmaxes combined, empty splits included); q's halves packed into one tile and in two."""
     args = kernel_case(4, C, H, ps, P)
     kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
     want = np.asarray(mla.mla_paged_attention_ref(*args, **kw))
-    got = np.asarray(mla.mla_decode_mgpu(*args, splits=splits, interpret=True, **kw))
+    got = np.asarray(mla.mla_decode_mgpu(*args, splits=splits, packed=packed, interpret=True, **kw))
     assert got.shape == want.shape and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # q and the weights in two bf16 halves: ~f32
     assert not got[0].any()  # an empty context: zeros
@@ -202,9 +204,19 @@ def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     assert calls == [True]
 
 
+def test_decode_layout(monkeypatch):
+    assert mla.decode_layout(12) == (True, 3)  # decode: q's halves in one tile, three ring stages
+    assert mla.decode_layout(96) == (False, 2)  # verify (8 x 12 rows)
+    monkeypatch.setattr(mla, "DECODE_PACKED", False)
+    assert mla.decode_layout(12) == (False, 2)
+    monkeypatch.setattr(mla, "DECODE_PACKED", "yes")
+    with pytest.raises(ValueError, match="DECODE_PACKED"):
+        mla.decode_layout(12)
+
+
 def test_decode_splits():
     assert mla.decode_splits(1, 16384) == 64  # batch 1: the most splits
-    assert mla.decode_splits(64, 16384) == 3  # 64 groups x 3 splits x 2 halves: two CTAs an SM
+    assert mla.decode_splits(64, 16384) == 2  # 64 groups x 2 splits x 2 halves: ~two waves of 132 CTAs
     assert mla.decode_splits(512, 16384) == 1
     assert mla.decode_splits(1, 64) == 1  # a short table: at least 4 blocks a split
 
@@ -212,13 +224,14 @@ def test_decode_splits():
 def test_decode_kernel_lowers_for_cuda():
     """Lowering only (no GPU): the kernel lowers to the Mosaic GPU custom call at k3-mini's widths (12 heads,
     576-wide keys, 512-wide values) for decode at 64-token pages and verify (8 x 12 rows: two row blocks) at
-    16-token pages, with and without splits."""
+    16-token pages, with and without splits, q's halves packed and not."""
     import functools
 
     sd = jax.ShapeDtypeStruct
-    for G, C, ps in ((64, 1, 64), (4, 8, 16), (1, 1, 128)):
+    for G, C, ps, packed in ((64, 1, 64, None), (64, 1, 64, False), (4, 8, 16, None), (4, 8, 16, True),
+                             (1, 1, 128, None)):
         P = 16384 // ps
-        f = functools.partial(mla.mla_decode_mgpu, layer=1, scale=0.07, v_dim=512)
+        f = functools.partial(mla.mla_decode_mgpu, layer=1, scale=0.07, v_dim=512, packed=packed)
         try:
             e = jax.export.export(jax.jit(f), platforms=["cuda"])(
                 sd((G, C, 12, 576), jnp.float32), sd((G, C), jnp.int32), sd((G, P), jnp.int32),
