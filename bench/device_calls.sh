@@ -211,7 +211,8 @@ calls() {
    16k table and <= 5% slower at 16k
 31 the MLA decode kernel (session 25, `mla.mla_decode_mgpu`: Mosaic GPU, absorbed, ragged, q and the weights in
    two bf16 halves, key-range splits combined in XLA): tests/gpu/test_mla_gpu.py, then bench/mla_decode.py at
-   batch 1, 64, 256 x context 1k, 4k, 16k (the kernel with q packed and not, and the blocked XLA form), then k3-mini decode at batch 1
+   batch 1, 64, 256 x context 1k, 16k (the kernel with q packed and not, on one and two warpgroups a CTA, and
+   the blocked XLA form), then k3-mini decode at batch 1
    and 64 with 16k in context, the kernel against the blocked form (~8 min) -> tests.txt, mla_decode.json,
    k3_mini_mla_kernel.json. Prediction: the tests pass (error vs float64 < 1e-4); the kernel reads the keys at
    >= 0.6 of copy bandwidth at batch >= 64 with 4k+ (one CTA an SM, 72 KiB in flight each) and is >= 5x faster
@@ -408,7 +409,7 @@ case "$1" in
     ;;
 31)
     gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
-    step mla_decode timeout 240 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 4096 16384 --packed 1 0 \
+    step mla_decode timeout 240 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 16384 --packed 1 0 --warpgroups 1 2 \
         --out "$OUT/mla_decode.json"
     step k3_mini_mla_kernel timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
         --mla-form kernel blocked --iters 10 --profile-steps 3 --out "$OUT/k3_mini_mla_kernel.json"

@@ -92,6 +92,9 @@ def main(argv=None):
     ap.add_argument("--packed", nargs="+", default=["auto"], choices=["auto", "1", "0"],
                     help="the kernel's q layout (mla.DECODE_PACKED): auto, 1 = q's two halves in one tile (32 rows a "
                          "block, 3 ring stages), 0 = in two tiles (64 rows a block, 2 stages)")
+    ap.add_argument("--warpgroups", type=int, nargs="+", default=[0], choices=[0, 1, 2],
+                    help="the kernel's warpgroups a CTA (mla.DECODE_WARPGROUPS; 0: its setting): 1 = a CTA per value "
+                         "half, 2 = both halves in one CTA sharing the key ring")
     ap.add_argument("--forms", nargs="+", default=["kernel", "blocked"], choices=["kernel", "blocked", "needed", "dense"],
                     help="kernel = the decode kernel; blocked = the XLA path's blocked form with its GPU default key "
                          "blocks (static); needed = the same with KEY_BLOCKS needed; dense = the one-pass reference")
@@ -106,6 +109,7 @@ def main(argv=None):
     res["copy_gbps"] = copy_gbps()
     print(f"copy bandwidth {res['copy_gbps']:.0f} GB/s", flush=True)
     kw = dict(layer=1, scale=SCALE, v_dim=VD)
+    wg0 = mla.DECODE_WARPGROUPS
     forms = {"blocked": lambda *a: mla.mla_paged_attention_xla(*a, blocks="static", **kw),
              "needed": lambda *a: mla.mla_paged_attention_xla(*a, blocks="needed", **kw),
              "dense": lambda *a: mla.mla_paged_attention_ref(*a, **kw)}
@@ -117,14 +121,18 @@ def main(argv=None):
                 nbytes = int(np.maximum(seen, 0).sum()) * DK * 2
                 base = None
                 for form in sorted(args.forms, key=lambda f: f != "blocked"):  # the baseline first
-                    for sp, pk in ([(x, y) for x in args.splits for y in args.packed] if form == "kernel" else [("-", "-")]):
+                    kernel_rows = [(x, y, z) for x in args.splits for y in args.packed for z in args.warpgroups]
+                    for sp, pk, wg in (kernel_rows if form == "kernel" else [("-", "-", 0)]):
                         row = {"queries": C, "batch": B, "context": ctx, "form": form, "key_bytes": nbytes}
                         if form == "kernel":
                             mla.DECODE_SPLITS = sp if sp == "auto" else int(sp)
                             mla.DECODE_PACKED = pk if pk == "auto" else pk == "1"
+                            mla.DECODE_WARPGROUPS = wg or wg0
                             row["packed"], row["stages"] = mla.decode_layout(C * H)
+                            row["warpgroups"] = mla.DECODE_WARPGROUPS
                             rb = -(-(C * H) // (32 if row["packed"] else 64))
-                            row["splits"] = mla.decode_splits(B * rb, a[2].shape[1] * args.page_size)
+                            row["splits"] = mla.decode_splits(B * rb, a[2].shape[1] * args.page_size,
+                                                              3 - mla.DECODE_WARPGROUPS)
                             f = jax.jit(lambda *x: mla.mla_decode_mgpu(*x, **kw))
                         else:
                             f = jax.jit(forms[form])
@@ -149,10 +157,10 @@ def main(argv=None):
                         res["results"].append(row)
                         write_json(args.out, res)
                         print(f"C {C} B {B:4} ctx {ctx:6} {form:8} splits {row.get('splits', '-')!s:3} "
-                              f"packed {row.get('packed', '-')!s:5} {ms:8.3f} ms "
+                              f"packed {row.get('packed', '-')!s:5} wg {row.get('warpgroups', '-')} {ms:8.3f} ms "
                               f"{row['bandwidth_frac']:.2f} of copy bw  err f64 {row.get('rel_err_vs_f64', float('nan')):.1e}"
                               f"  vs blocked {row.get('rel_err_vs_blocked', float('nan')):.1e}", flush=True)
-    mla.DECODE_SPLITS, mla.DECODE_PACKED = "auto", "auto"
+    mla.DECODE_SPLITS, mla.DECODE_PACKED, mla.DECODE_WARPGROUPS = "auto", "auto", wg0
 
 
 if __name__ == "__main__":

@@ -140,6 +140,9 @@ DECODE_STAGES = None  # ring stages (None: 3 packed, 2 not; see DECODE_PACKED), 
 # memory, q in 72 KiB, room for 3 ring stages); otherwise (False, or verify's 96 rows) two 64-row tiles (two
 # wgmma a product, 144 KiB, 2 stages)
 DECODE_PACKED = "auto"
+# Warpgroups a CTA: 1 (a CTA per value half: the grid's last axis; both halves' CTAs read the group's keys) or
+# 2 (one CTA holds both halves, a warpgroup each, sharing q and the key ring: the keys read once)
+DECODE_WARPGROUPS = 1
 DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: decode and verify; prefill runs XLA
 # Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
 # impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 31); the
@@ -158,13 +161,13 @@ def decode_supported(q_shape, pages_shape, pages_dtype, v_dim) -> bool:
             and v_dim <= Dk and (ps % DECODE_BLOCK == 0 or DECODE_BLOCK % ps == 0))
 
 
-def decode_splits(groups: int, table_keys: int) -> int:
-    """Splits of each (group, row block)'s keys for the decode kernel: enough CTAs (two a split: the value
-    halves) for two waves (one CTA fits an SM: ~216 KiB of shared memory), with at least 4 blocks a split
-    over the page table's keys; at most 64."""
+def decode_splits(groups: int, table_keys: int, ctas_per_split: int = 2) -> int:
+    """Splits of each (group, row block)'s keys for the decode kernel: enough CTAs (`ctas_per_split`: 2 with a
+    CTA per value half, 1 with both in one) for two waves (one CTA fits an SM: ~200-220 KiB of shared
+    memory), with at least 4 blocks a split over the page table's keys; at most 64."""
     if DECODE_SPLITS != "auto":
         return max(1, int(DECODE_SPLITS))
-    want = 2 * _SMS // (2 * groups)
+    want = 2 * _SMS // (ctas_per_split * groups)
     return int(max(1, min(want, 64, table_keys // (4 * DECODE_BLOCK))))
 
 
@@ -177,12 +180,14 @@ def decode_layout(rows: int) -> tuple[bool, int]:
 
 
 def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, packed=None,
-                    stages=None, interpret=False):
+                    stages=None, warpgroups=None, interpret=False):
     """The absorbed, ragged MLA attention as a Mosaic GPU kernel (`mla_paged_attention`'s arguments and
     result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`).
 
-    Grid (group row block, split, value half). A CTA holds a row block of one group's query rows (C x H,
-    padded) in shared memory as two bf16 halves, q = hi + lo to ~16 bits, so the scores are as exact as
+    Grid (group row block, split, value half), or with `warpgroups` 2 (`DECODE_WARPGROUPS`) (group row block,
+    split) and the two value halves on two warpgroups of one CTA, which share its shared memory. A CTA holds
+    a row block of one group's query rows (C x H, padded) in shared memory as two bf16 halves, q = hi + lo
+    to ~16 bits, so the scores are as exact as
     f32 products with the bf16 keys: packed (32 rows a block: hi in rows r, lo in rows r + 32 of one 64-row
     tile, the halves' scores summed through shared memory) or not (64 rows a block, two tiles). It reads its
     split of the group's keys `DECODE_BLOCK` at a time by TMA from the pages the page table names (a ring of
@@ -206,7 +211,10 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
     GR = G * RB
     BK = DECODE_BLOCK
     VH = v_dim // 2
-    NS = splits or decode_splits(GR, P * ps)
+    wgs = warpgroups or DECODE_WARPGROUPS
+    if wgs not in (1, 2):
+        raise ValueError(f"the decode kernel runs 1 or 2 warpgroups a CTA, got {wgs!r}")
+    NS = splits or decode_splits(GR, P * ps, 3 - wgs)
     per_copy = min(ps, BK)  # keys a TMA copy brings: a whole page, or a block's part of one
     copies = BK // per_copy
 
@@ -225,19 +233,23 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
 
     def kernel(*refs):
         q_refs, (lim_ref, nblk_ref, rows_ref, pages_ref, o_ref, lse_ref) = refs[:nq], refs[nq:nq + 6]
-        q_s, (lim_s, k_s, lse_s, s_s, qbar, kbar) = refs[nq + 6:2 * nq + 6], refs[2 * nq + 6:]
+        q_s, (lim_s, k_s, lse_s, s_s, qbar, kbar, cbar) = refs[nq + 6:2 * nq + 6], refs[2 * nq + 6:]
         gr = lax.axis_index("rows")
         s = lax.axis_index("split")
-        half = lax.axis_index("half")
+        half = lax.axis_index("half" if wgs == 1 else "wg")
+        lead = half == 0 if wgs == 2 else True  # the warpgroup that issues the loads
+        s_s, lse_s = s_s.at[half if wgs == 2 else 0], lse_s.at[half if wgs == 2 else 0]
         g = gr // RB
         nb = nblk_ref[gr]
         per = (nb + NS - 1) // NS
         start = s * per
         cnt = jnp.clip(nb - start, 0, per)
 
-        for src, dst in zip(q_refs, q_s):
-            plgpu.copy_gmem_to_smem(src.at[gr], dst, qbar.at[0])
-        plgpu.copy_gmem_to_smem(lim_ref.at[gr], lim_s, qbar.at[0])
+        @pl.when(lead)
+        def _():
+            for src, dst in zip(q_refs, q_s):
+                plgpu.copy_gmem_to_smem(src.at[gr], dst, qbar.at[0])
+            plgpu.copy_gmem_to_smem(lim_ref.at[gr], lim_s, qbar.at[0])
 
         def issue(i, slot):  # block start + i of the group's keys -> ring slot
             for j in range(copies):
@@ -248,7 +260,7 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
                 plgpu.copy_gmem_to_smem(src, k_s.at[slot, pl.ds(j * per_copy, per_copy)], kbar.at[slot])
 
         for st in range(NST):
-            pl.when(st < cnt)(functools.partial(issue, st, st))
+            pl.when((st < cnt) & lead)(functools.partial(issue, st, st))
         plgpu.barrier_wait(qbar.at[0])
         if interpret:
             limv = lim_s[...]
@@ -309,13 +321,21 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
             l = l * alpha + p.sum(axis=1)
             acc = weighted(acc * lax.broadcast_in_dim(alpha, (64, VH), (0,)), p, slot)
 
-            @pl.when(i + NST < cnt)  # the slot's wgmma are done: refill it
+            if wgs == 2:  # this warpgroup is done with the slot
+                plgpu.barrier_arrive(cbar.at[slot])
+
+            @pl.when((i + NST < cnt) & lead)  # the slot's wgmma are done (both warpgroups'): refill it
             def _():
+                if wgs == 2:
+                    plgpu.barrier_wait(cbar.at[slot])
                 issue(i + NST, slot)
 
             return m_new, l, acc
 
         m, l, acc = lax.fori_loop(0, cnt, body, (m0, l0, acc0))
+        if wgs == 2:  # every slot's last release, which no refill waited for (a barrier's phases all observed)
+            for st in range(NST):
+                pl.when((st < cnt) & lead)(functools.partial(plgpu.barrier_wait, cbar.at[st]))
         seen = l > 0
         inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o_ref.at[gr, s, :, pl.ds(half * VH, VH)][...] = acc * lax.broadcast_in_dim(inv, (64, VH), (0,))
@@ -331,19 +351,21 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
     f = plgpu.kernel(
         kernel,
         out_type=[sds((GR, NS, 64, v_dim), f32), sds((GR, NS, 2, 64), f32)],
-        grid=(GR, NS, 2),
-        grid_names=("rows", "split", "half"),
+        grid=(GR, NS, 2) if wgs == 1 else (GR, NS),
+        grid_names=("rows", "split", "half") if wgs == 1 else ("rows", "split"),
+        **({"num_threads": 2, "thread_name": "wg"} if wgs == 2 else {}),
         scratch_types=[
             *[plgpu.SMEM((64, Dk), bf, **tiled(Dk)) for _ in range(nq)],
             plgpu.SMEM((64,), jnp.int32),
             plgpu.SMEM((NST, BK, Dk), bf, **tiled(Dk)),
-            plgpu.SMEM((64,), f32),
-            plgpu.SMEM((128 if packed else 8, BK), f32),  # packed: the score tile twice
+            plgpu.SMEM((wgs, 64), f32),
+            plgpu.SMEM((wgs, 128 if packed else 8, BK), f32),  # packed: the score tile twice (a warpgroup's)
             plgpu.Barrier(num_arrivals=nq + 1, num_barriers=1),
             plgpu.Barrier(num_arrivals=copies, num_barriers=NST),
+            plgpu.Barrier(num_arrivals=2, num_barriers=NST),  # 2 warpgroups: both done with a ring slot
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        kernel_name="mla_decode_mgpu" + ("_packed" if packed else ""),
+        kernel_name="mla_decode_mgpu" + ("_packed" if packed else "") + ("_2wg" if wgs == 2 else ""),
         **({"interpret": _gpu_interpret_params()} if interpret else {}),
     )
     o, lse = f(*q_in, lim, nblk, page_rows, pages)

@@ -171,6 +171,19 @@ def test_decode_kernel_equals_the_reference(C, H, ps, P, splits, packed):
                                                            (H, KVD)), rtol=1e-6)  # one key: its value channels
 
 
+@pytest.mark.parametrize("C,H,ps,P,splits,packed", [(1, 4, 16, 6, 1, True), (3, 4, 64, 2, 3, False)])
+def test_decode_kernel_on_two_warpgroups(C, H, ps, P, splits, packed):
+    """Both value halves in one CTA, a warpgroup each, sharing q and the key ring (the leader loads; a slot is
+    refilled once both have released it): the same result as the reference."""
+    args = kernel_case(4, C, H, ps, P, seed=3)
+    kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
+    want = np.asarray(mla.mla_paged_attention_ref(*args, **kw))
+    got = np.asarray(mla.mla_decode_mgpu(*args, splits=splits, packed=packed, warpgroups=2, interpret=True, **kw))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="warpgroups"):
+        mla.mla_decode_mgpu(*args, warpgroups=3, interpret=True, **kw)
+
+
 def test_decode_kernel_reads_only_the_blocks_it_needs():
     """A group's loop stops at its last visible block: pages past it poisoned with NaN change no bit."""
     q, pos, rows, pages, kv_len = kernel_case(3, 1, 4, 16, 6)
@@ -219,19 +232,20 @@ def test_decode_splits():
     assert mla.decode_splits(64, 16384) == 2  # 64 groups x 2 splits x 2 halves: ~two waves of 132 CTAs
     assert mla.decode_splits(512, 16384) == 1
     assert mla.decode_splits(1, 64) == 1  # a short table: at least 4 blocks a split
+    assert mla.decode_splits(64, 16384, ctas_per_split=1) == 4  # both value halves in one CTA
 
 
 def test_decode_kernel_lowers_for_cuda():
     """Lowering only (no GPU): the kernel lowers to the Mosaic GPU custom call at k3-mini's widths (12 heads,
     576-wide keys, 512-wide values) for decode at 64-token pages and verify (8 x 12 rows: two row blocks) at
-    16-token pages, with and without splits, q's halves packed and not."""
+    16-token pages, with and without splits, q's halves packed and not, on one and two warpgroups a CTA."""
     import functools
 
     sd = jax.ShapeDtypeStruct
-    for G, C, ps, packed in ((64, 1, 64, None), (64, 1, 64, False), (4, 8, 16, None), (4, 8, 16, True),
-                             (1, 1, 128, None)):
+    for G, C, ps, packed, wgs in ((64, 1, 64, None, 1), (64, 1, 64, False, 1), (4, 8, 16, None, 1), (4, 8, 16, True, 1),
+                                  (1, 1, 128, None, 1), (64, 1, 64, None, 2), (4, 8, 16, None, 2)):
         P = 16384 // ps
-        f = functools.partial(mla.mla_decode_mgpu, layer=1, scale=0.07, v_dim=512, packed=packed)
+        f = functools.partial(mla.mla_decode_mgpu, layer=1, scale=0.07, v_dim=512, packed=packed, warpgroups=wgs)
         try:
             e = jax.export.export(jax.jit(f), platforms=["cuda"])(
                 sd((G, C, 12, 576), jnp.float32), sd((G, C), jnp.int32), sd((G, P), jnp.int32),

@@ -84,9 +84,10 @@ def test_blocked_temporaries_stay_near_one_block(monkeypatch):
     assert temp["blocked"] <= 4 * (64 << 20) + 2 * G * C * H * VD * 4, temp
 
 
-@pytest.mark.parametrize("G,C,ps,splits,packed", [(64, 1, 16, None, None), (64, 1, 64, 1, None), (64, 1, 64, None, False),
-                                                  (8, 8, 16, None, None), (8, 8, 64, 2, True), (3, 1, 64, 7, None)])
-def test_decode_kernel_against_float64(G, C, ps, splits, packed):
+@pytest.mark.parametrize("G,C,ps,splits,packed,wgs", [
+    (64, 1, 16, None, None, 1), (64, 1, 64, 1, None, 1), (64, 1, 64, None, False, 1), (8, 8, 16, None, None, 1),
+    (8, 8, 64, 2, True, 1), (3, 1, 64, 7, None, 1), (64, 1, 64, None, None, 2), (8, 8, 16, 3, None, 2)])
+def test_decode_kernel_against_float64(G, C, ps, splits, packed, wgs):
     """Within 1e-4 of float64 (q and the weights in two bf16 halves: ~f32 arithmetic on the bf16 keys), where
     the XLA path's f32 products (TF32 on the tensor cores) are checked to 5e-3 above."""
     q, pos, rows, pages, kv_len = _case(G, C, seed=1)
@@ -96,7 +97,8 @@ def test_decode_kernel_against_float64(G, C, ps, splits, packed):
         keys = pages[rows].transpose(0, 2, 1, 3, 4).reshape(G, 2, n, ps, DK).transpose(0, 2, 1, 3, 4)
         pages = jnp.concatenate([jnp.zeros((1, 2, ps, DK), pages.dtype), keys.reshape(G * n, 2, ps, DK)])
         rows = jnp.arange(1, G * n + 1, dtype=jnp.int32).reshape(G, n)
-    got = np.asarray(jax.jit(lambda *a: mla.mla_decode_mgpu(*a, layer=1, scale=SCALE, v_dim=VD, splits=splits, packed=packed))(
+    got = np.asarray(jax.jit(lambda *a: mla.mla_decode_mgpu(
+        *a, layer=1, scale=SCALE, v_dim=VD, splits=splits, packed=packed, warpgroups=wgs))(
         q, pos, rows, pages, kv_len))
     assert np.isfinite(got).all()
     err = np.abs(got - want).max() / np.abs(want).max()
@@ -109,7 +111,7 @@ def test_decode_kernel_reads_only_the_blocks_it_needs():
     kv_len = jnp.array([0, 20, 33, 100], jnp.int32)
     pos = kv_len[:, None] - 1
     poisoned = pages.at[rows[:, 8:].reshape(-1), 1].set(jnp.nan)  # keys 128 and on: past every group's blocks
-    for packed in (True, False):
+    for packed, wgs in ((True, 1), (False, 1), (True, 2)):
         f = jax.jit(lambda pages: mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, layer=1, scale=SCALE, v_dim=VD,
-                                                      packed=packed))
+                                                      packed=packed, warpgroups=wgs))
         np.testing.assert_array_equal(np.asarray(f(poisoned)), np.asarray(f(pages)))
