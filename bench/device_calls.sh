@@ -400,7 +400,7 @@ case "$1" in
     tar czf "$OUT/hlo.tgz" -C "$OUT" hlo && rm -r "$OUT/hlo"
     ;;
 30)
-    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
+    gpu_tests tests 100 -q tests/gpu/test_mla_gpu.py
     step k3_mini_blocks_1k timeout 300 python3 bench/k3_mini_h200.py --batch 64 --context 1024 --table-tokens 16384 \
         --impl pallas --mla-form blocked dense --mla-blocks static needed --iters 10 --profile-steps 3 \
         --out "$OUT/k3_mini_blocks_1k.json"
@@ -408,10 +408,10 @@ case "$1" in
         --mla-form blocked --mla-blocks static needed --iters 10 --profile-steps 3 --out "$OUT/k3_mini_blocks_16k.json"
     ;;
 31)
-    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
-    step mla_decode timeout 240 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 16384 --packed 1 0 --warpgroups 1 2 \
+    gpu_tests tests 100 -q tests/gpu/test_mla_gpu.py
+    step mla_decode timeout 200 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 16384 --packed 1 0 --warpgroups 1 2 \
         --out "$OUT/mla_decode.json"
-    step k3_mini_mla_kernel timeout 200 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
+    step k3_mini_mla_kernel timeout 180 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
         --mla-form kernel blocked --iters 10 --profile-steps 3 --out "$OUT/k3_mini_mla_kernel.json"
     ;;
 26|27)
