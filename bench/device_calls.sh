@@ -212,13 +212,15 @@ calls() {
 31 the MLA decode kernel (session 25, `mla.mla_decode_mgpu`: Mosaic GPU, absorbed, ragged, q and the weights in
    two bf16 halves, key-range splits combined in XLA): tests/gpu/test_mla_gpu.py, then bench/mla_decode.py at
    batch 1, 64, 256 x context 1k, 16k (the kernel with q packed and not, on one and two warpgroups a CTA, and
-   the blocked XLA form), then k3-mini decode at batch 1
-   and 64 with 16k in context, the kernel against the blocked form (~8 min) -> tests.txt, mla_decode.json,
-   k3_mini_mla_kernel.json. Prediction: the tests pass (error vs float64 < 1e-4); the kernel reads the keys at
-   >= 0.6 of copy bandwidth at batch >= 64 with 4k+ (one CTA an SM, 72 KiB in flight each) and is >= 5x faster
-   than the blocked form there; k3-mini's 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms). Rule: with
-   the tests passing, GPU_KERNELS["mla_paged_attention"] becomes True (the kernel by default on a Hopper GPU)
-   if it is faster than the blocked form at every measured shape
+   the blocked XLA form) (~5 min) -> tests.txt, mla_decode.json. Prediction: the tests pass (error vs float64
+   < 1e-4); the kernel reads the keys at >= 0.6 of copy bandwidth at batch >= 64 with 16k (one CTA an SM,
+   72-108 KiB in flight each) and is >= 5x faster than the blocked form there; packed faster than not; two
+   warpgroups faster than one at 16k (the keys read once). Rule: with the tests passing, DECODE_KERNEL and
+   GPU_KERNELS["mla_paged_attention"] become True (the kernel by default on a Hopper GPU) if it is faster than
+   the blocked form at every measured shape, in its fastest layout (which becomes DECODE_PACKED /
+   DECODE_WARPGROUPS's default)
+32 k3-mini decode at batch 1 and 64 with 16k in context, the MLA decode kernel against the blocked XLA form
+   (~4 min) -> k3_mini_mla_kernel.json. Prediction: the 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms)
 EOF
 }
 
@@ -411,7 +413,9 @@ case "$1" in
     gpu_tests tests 100 -q tests/gpu/test_mla_gpu.py
     step mla_decode timeout 200 python3 bench/mla_decode.py --batch 1 64 256 --context 1024 16384 --packed 1 0 --warpgroups 1 2 \
         --out "$OUT/mla_decode.json"
-    step k3_mini_mla_kernel timeout 180 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
+    ;;
+32)
+    step k3_mini_mla_kernel timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \
         --mla-form kernel blocked --iters 10 --profile-steps 3 --out "$OUT/k3_mini_mla_kernel.json"
     ;;
 26|27)
