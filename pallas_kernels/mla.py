@@ -152,13 +152,26 @@ DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" 
 _SMS = 132  # H100 / H200 SMs: the CTA count the splits aim at
 
 
-def decode_supported(q_shape, pages_shape, pages_dtype, v_dim) -> bool:
-    """Whether the decode kernel takes these shapes: bf16 pages; C x H rows within `DECODE_MAX_ROWS`; Dk a
-    multiple of 64 and v_dim of 128; pages of a size that divides or is divided by `DECODE_BLOCK`."""
+def decode_unsupported(q_shape, pages_shape, pages_dtype, v_dim) -> str | None:
+    """Why the decode kernel does not take these shapes (None: it does). It needs bf16 pages; C x H rows
+    within `DECODE_MAX_ROWS`; Dk a multiple of 64 and v_dim of 128, at most Dk; pages of a size that divides
+    or is divided by `DECODE_BLOCK`."""
     _, C, H, Dk = q_shape
     ps = pages_shape[2]
-    return (jnp.dtype(pages_dtype) == jnp.bfloat16 and C * H <= DECODE_MAX_ROWS and Dk % 64 == 0 and v_dim % 128 == 0
-            and v_dim <= Dk and (ps % DECODE_BLOCK == 0 or DECODE_BLOCK % ps == 0))
+    if jnp.dtype(pages_dtype) != jnp.bfloat16:
+        return f"pages must be bfloat16, got {jnp.dtype(pages_dtype)}"
+    if C * H > DECODE_MAX_ROWS:
+        return f"a group's {C} x {H} query rows exceed DECODE_MAX_ROWS ({DECODE_MAX_ROWS})"
+    if Dk % 64 or v_dim % 128 or v_dim > Dk:
+        return f"key width {Dk} must be a multiple of 64 and value width {v_dim} a multiple of 128, at most {Dk}"
+    if ps % DECODE_BLOCK and DECODE_BLOCK % ps:
+        return f"page size {ps} must divide or be a multiple of DECODE_BLOCK ({DECODE_BLOCK})"
+    return None
+
+
+def decode_supported(q_shape, pages_shape, pages_dtype, v_dim) -> bool:
+    """Whether the decode kernel takes these shapes (`decode_unsupported` says why not)."""
+    return decode_unsupported(q_shape, pages_shape, pages_dtype, v_dim) is None
 
 
 def decode_splits(groups: int, table_keys: int, ctas_per_split: int = 2) -> int:
@@ -185,27 +198,27 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
     result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`).
 
     Grid (group row block, split, value half), or with `warpgroups` 2 (`DECODE_WARPGROUPS`) (group row block,
-    split) and the two value halves on two warpgroups of one CTA, which share its shared memory. A CTA holds
-    a row block of one group's query rows (C x H, padded) in shared memory as two bf16 halves, q = hi + lo
-    to ~16 bits, so the scores are as exact as
-    f32 products with the bf16 keys: packed (32 rows a block: hi in rows r, lo in rows r + 32 of one 64-row
-    tile, the halves' scores summed through shared memory) or not (64 rows a block, two tiles). It reads its
-    split of the group's keys `DECODE_BLOCK` at a time by TMA from the pages the page table names (a ring of
-    `stages`), scores them on the tensor cores (wgmma, f32 accumulation), folds them into a running max and
-    sum in registers (masked by each row's last visible key: min(position, kv_len - 1)), and accumulates the
-    weights (again hi + lo) times its half of the value channels. Only the blocks up to the last key any row
-    of the group sees are read (the loop's trip count comes from the group's own positions), so a group
-    costs its own context. The splits' outputs (divided by their sums) and log-sum-exps are combined in XLA;
-    rows with no visible key give zeros."""
+    split) and the two value halves on two warpgroups of one CTA, which share its shared memory. A CTA holds a
+    row block of one group's query rows (C x H, padded) in shared memory as two bf16 halves, q = hi + lo to ~16
+    bits, so the scores are as exact as f32 products with the bf16 keys: packed (32 rows a block: hi in rows r,
+    lo in rows r + 32 of one 64-row tile, the halves' scores summed through shared memory) or not (64 rows a
+    block, two tiles). It reads its split of the group's keys `DECODE_BLOCK` at a time by TMA from the pages the
+    page table names (a ring of `stages`), scores them on the tensor cores (wgmma, f32 accumulation), folds them
+    into a running max and sum in registers (masked by each row's last visible key: min(position, kv_len - 1)),
+    and accumulates the weights (again hi + lo) times its half of the value channels. Only the blocks up to the
+    last key any row of the group sees are read (the loop's trip count comes from the group's own positions), so
+    a group costs its own context. The splits' outputs (divided by their sums) and log-sum-exps are combined in
+    XLA; rows with no visible key give zeros."""
     G, C, H, Dk = q.shape
     P = page_rows.shape[1]
     ps = pages.shape[2]
-    assert decode_supported(q.shape, pages.shape, pages.dtype, v_dim), (q.shape, pages.shape, pages.dtype, v_dim)
+    why = decode_unsupported(q.shape, pages.shape, pages.dtype, v_dim)
+    if why is not None:
+        raise ValueError(f"mla_decode_mgpu: {why}")
     f32, bf = jnp.float32, jnp.bfloat16
     M = C * H
-    auto_packed, auto_stages = decode_layout(M)
-    packed = auto_packed if packed is None else packed
-    NST = stages or (auto_stages if packed == auto_packed else (3 if packed else 2))
+    packed = decode_layout(M)[0] if packed is None else packed
+    NST = stages or DECODE_STAGES or (3 if packed else 2)
     RR = 32 if packed else 64  # query rows a row block
     RB = -(-M // RR)
     GR = G * RB

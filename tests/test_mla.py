@@ -217,6 +217,17 @@ def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     assert calls == [True]
 
 
+def test_decode_kernel_names_what_it_does_not_take():
+    q, pos, rows, pages, kv_len = kernel_case(2, 1, 4, 16, 3)
+    kw = dict(layer=0, scale=0.1, interpret=True)
+    for args, v_dim, msg in (((q, pos, rows, pages.astype(jnp.float32), kv_len), KVD, "bfloat16"),
+                             ((jnp.zeros((2, 40, 4, KDK)), pos, rows, pages, kv_len), KVD, "DECODE_MAX_ROWS"),
+                             ((q, pos, rows, pages, kv_len), 96, "multiple of 128"),
+                             ((q, pos, rows, pages[:, :, :12], kv_len), KVD, "page size 12")):
+        with pytest.raises(ValueError, match=msg):
+            mla.mla_decode_mgpu(*args, v_dim=v_dim, **kw)
+
+
 def test_decode_layout(monkeypatch):
     assert mla.decode_layout(12) == (True, 3)  # decode: q's halves in one tile, three ring stages
     assert mla.decode_layout(96) == (False, 2)  # verify (8 x 12 rows)
