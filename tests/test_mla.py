@@ -268,34 +268,41 @@ def test_decode_kernel_lowers_for_cuda():
 
 def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     """The engine's greedy tokens with the MLA decode and verify groups on the kernel (interpret mode; everything
-    else on the XLA path) equal those without it, on a bf16 k3-tiny with the kernel's widths (576 -> 192-wide
-    keys: latent 128 + rope 64): the engine's padded decode rows and page tables through the kernel."""
+    else on the XLA path) equal those without it, on a bf16 k3-tiny with the kernel's widths (192-wide keys:
+    latent 128 + rope 64): the engine's padded decode rows and page tables through the kernel, and speculative
+    verify blocks (5 queries a group) drafted by an oracle that is partly right."""
     from k3jax import LLM, SamplingParams
     from k3jax.api import Model
     from k3jax.config import preset
     from k3jax.model.init import init_params
+    from k3jax.spec.drafter import OracleDrafter
 
     base = preset("k3-tiny").replace(dtype="bfloat16", kv_lora_rank=128, qk_rope_head_dim=64)
     params = init_params(base, 0)
-    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(100, 171))]
+    prompts = [list(range(100, 171))]  # 71 tokens: contexts of 3 key blocks
     monkeypatch.setattr(mla, "DECODE_KERNEL", True)
     real = mla.mla_paged_attention
-    used = []
+    rows = []  # the query rows of each call the kernel took
 
-    def run(name, kernel):
-        def attend(*a, impl, **kw):
-            if kernel:
-                used.append(mla.decode_supported(a[0].shape, a[3].shape, a[3].dtype, kw["v_dim"]))
-            return real(*a, impl="pallas_interpret" if kernel else impl, **kw)
+    def run(name, kernel, **kw):
+        def attend(*a, impl, **k):
+            if kernel and mla.decode_supported(a[0].shape, a[3].shape, a[3].dtype, k["v_dim"]):
+                rows.append(a[0].shape[1])
+            return real(*a, impl="pallas_interpret" if kernel else impl, **k)
 
         monkeypatch.setattr(mla, "mla_paged_attention", attend)
-        llm = LLM(Model(base.replace(name=name), params, None), page_size=16, max_running=4, max_seq_len=256,
-                  prefill_chunk=64, single_bucket=True)
+        llm = LLM(Model(base.replace(name=name), params, None), page_size=16, max_running=2, max_seq_len=128,
+                  prefill_chunk=64, single_bucket=True, **kw)
         out = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=5))]
         llm.check_invariants()
-        return out
+        return out, llm.stats
 
-    want = run("k3-tiny-mla-xla", False)
-    got = run("k3-tiny-mla-kernel", True)
-    assert any(used)  # the decode groups went through the kernel (prefill chunks stay on the XLA path)
+    want, _ = run("k3-tiny-mla-xla", False)
+    got, _ = run("k3-tiny-mla-kernel", True)
+    assert rows and set(rows) == {1}  # decode groups went through the kernel (prefill chunks stay on XLA)
+    assert got == want
+    oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, base.vocab_size)
+    rows.clear()
+    got, stats = run("k3-tiny-mla-kernel-spec", True, speculative=oracle, num_draft_tokens=4)
+    assert 5 in rows and stats["spec_accepted"] > 0  # verify blocks of 1 + 4 queries a group on the kernel
     assert got == want
