@@ -113,6 +113,7 @@ def main(argv=None):
     forms = {"blocked": lambda *a: mla.mla_paged_attention_xla(*a, blocks="static", **kw),
              "needed": lambda *a: mla.mla_paged_attention_xla(*a, blocks="needed", **kw),
              "dense": lambda *a: mla.mla_paged_attention_ref(*a, **kw)}
+    kernel_rows = [(x, y, z) for x in args.splits for y in args.packed for z in args.warpgroups]
     for C in args.queries:
         for B in args.batch:
             for ctx in args.context:
@@ -121,18 +122,15 @@ def main(argv=None):
                 nbytes = int(np.maximum(seen, 0).sum()) * DK * 2
                 base = None
                 for form in sorted(args.forms, key=lambda f: f != "blocked"):  # the baseline first
-                    kernel_rows = [(x, y, z) for x in args.splits for y in args.packed for z in args.warpgroups]
                     for sp, pk, wg in (kernel_rows if form == "kernel" else [("-", "-", 0)]):
                         row = {"queries": C, "batch": B, "context": ctx, "form": form, "key_bytes": nbytes}
                         if form == "kernel":
                             mla.DECODE_SPLITS = sp if sp == "auto" else int(sp)
                             mla.DECODE_PACKED = pk if pk == "auto" else pk == "1"
                             mla.DECODE_WARPGROUPS = wg or wg0
-                            row["packed"], row["stages"] = mla.decode_layout(C * H)
-                            row["warpgroups"] = mla.DECODE_WARPGROUPS
-                            rb = -(-(C * H) // (32 if row["packed"] else 64))
-                            row["splits"] = mla.decode_splits(B * rb, a[2].shape[1] * args.page_size,
-                                                              3 - mla.DECODE_WARPGROUPS)
+                            plan = mla.decode_plan(B, C * H, a[2].shape[1] * args.page_size)
+                            row.update(packed=plan.packed, stages=plan.stages, warpgroups=plan.warpgroups,
+                                       splits=plan.splits)
                             f = jax.jit(lambda *x: mla.mla_decode_mgpu(*x, **kw))
                         else:
                             f = jax.jit(forms[form])

@@ -19,6 +19,7 @@ runs it in Mosaic GPU's interpret mode on the CPU), behind `DECODE_KERNEL`; docs
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -184,12 +185,36 @@ def decode_splits(groups: int, table_keys: int, ctas_per_split: int = 2) -> int:
     return int(max(1, min(want, 64, table_keys // (4 * DECODE_BLOCK))))
 
 
-def decode_layout(rows: int) -> tuple[bool, int]:
-    """(packed, stages) of the decode kernel for a group of `rows` query rows (`DECODE_PACKED`, `DECODE_STAGES`)."""
-    if DECODE_PACKED not in ("auto", True, False):
-        raise ValueError(f"mla.DECODE_PACKED must be 'auto', True or False, got {DECODE_PACKED!r}")
-    packed = rows <= 32 if DECODE_PACKED == "auto" else DECODE_PACKED
-    return packed, DECODE_STAGES or (3 if packed else 2)
+def decode_layout(rows: int, packed=None, stages=None) -> tuple[bool, int]:
+    """(packed, stages) of the decode kernel for a group of `rows` query rows: the arguments where given, else
+    `DECODE_PACKED` and `DECODE_STAGES` (None: 3 stages packed, 2 not)."""
+    if packed is None:
+        if DECODE_PACKED not in ("auto", True, False):
+            raise ValueError(f"mla.DECODE_PACKED must be 'auto', True or False, got {DECODE_PACKED!r}")
+        packed = rows <= 32 if DECODE_PACKED == "auto" else DECODE_PACKED
+    return packed, stages or DECODE_STAGES or (3 if packed else 2)
+
+
+class DecodePlan(NamedTuple):
+    packed: bool
+    stages: int
+    row_rows: int  # query rows a row block: 32 packed, 64 not
+    row_blocks: int  # row blocks a group
+    warpgroups: int
+    splits: int
+
+
+def decode_plan(G: int, rows: int, table_keys: int, *, packed=None, stages=None, warpgroups=None,
+                splits=None) -> DecodePlan:
+    """The decode kernel's layout for G groups of `rows` query rows over page tables of `table_keys` keys: the
+    arguments where given, else the module settings (`decode_layout`, `DECODE_WARPGROUPS`, `decode_splits`)."""
+    packed, stages = decode_layout(rows, packed, stages)
+    rr = 32 if packed else 64
+    rb = -(-rows // rr)
+    wgs = warpgroups or DECODE_WARPGROUPS
+    if wgs not in (1, 2):
+        raise ValueError(f"the decode kernel runs 1 or 2 warpgroups a CTA, got {wgs!r}")
+    return DecodePlan(packed, stages, rr, rb, wgs, splits or decode_splits(G * rb, table_keys, 3 - wgs))
 
 
 def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, packed=None,
@@ -217,17 +242,11 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         raise ValueError(f"mla_decode_mgpu: {why}")
     f32, bf = jnp.float32, jnp.bfloat16
     M = C * H
-    packed = decode_layout(M)[0] if packed is None else packed
-    NST = stages or DECODE_STAGES or (3 if packed else 2)
-    RR = 32 if packed else 64  # query rows a row block
-    RB = -(-M // RR)
+    packed, NST, RR, RB, wgs, NS = decode_plan(G, M, P * ps, packed=packed, stages=stages, warpgroups=warpgroups,
+                                               splits=splits)
     GR = G * RB
     BK = DECODE_BLOCK
     VH = v_dim // 2
-    wgs = warpgroups or DECODE_WARPGROUPS
-    if wgs not in (1, 2):
-        raise ValueError(f"the decode kernel runs 1 or 2 warpgroups a CTA, got {wgs!r}")
-    NS = splits or decode_splits(GR, P * ps, 3 - wgs)
     per_copy = min(ps, BK)  # keys a TMA copy brings: a whole page, or a block's part of one
     copies = BK // per_copy
 
