@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.dispatch import resolve_impl
-from pallas_kernels.kda.mgpu import _bf16_tiled, _gpu_interpret_params
-from pallas_kernels.kda.mgpu import load_tile as _load
+from pallas_kernels.mgpu_common import SMS, bf16_tiled, gpu_interpret_params
+from pallas_kernels.mgpu_common import load_tile as _load
 
 IMPLS = ("xla", "pallas", "pallas_interpret")  # the kernels: decode and verify groups (`mla_decode_mgpu`)
 _WGMMA = plgpu.Layout.WGMMA
@@ -150,7 +150,6 @@ DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: dec
 # CPU tests and the bench's "kernel" rows turn it on.
 DECODE_KERNEL = False
 DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" (`decode_splits`) or an int
-_SMS = 132  # H100 / H200 SMs: the CTA count the splits aim at
 
 
 def decode_unsupported(q_shape, pages_shape, pages_dtype, v_dim) -> str | None:
@@ -181,7 +180,7 @@ def decode_splits(groups: int, table_keys: int, ctas_per_split: int = 2) -> int:
     memory), with at least 4 blocks a split over the page table's keys; at most 64."""
     if DECODE_SPLITS != "auto":
         return max(1, int(DECODE_SPLITS))
-    want = 2 * _SMS // (ctas_per_split * groups)
+    want = 2 * SMS // (ctas_per_split * groups)
     return int(max(1, min(want, 64, table_keys // (4 * DECODE_BLOCK))))
 
 
@@ -378,7 +377,7 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
 
     # 64-byte swizzles: a wgmma's K (the block's 32 keys, in the weighted sum) must be a multiple of the swizzle's
     # 32 bf16 columns, and the A operands' swizzle must match their B operands'
-    tiled = (lambda cols: {}) if interpret else (lambda cols: _bf16_tiled(cols, 2 * BK))
+    tiled = (lambda cols: {}) if interpret else (lambda cols: bf16_tiled(cols, 2 * BK))
     sds = jax.ShapeDtypeStruct
     f = plgpu.kernel(
         kernel,
@@ -398,7 +397,7 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name="mla_decode_mgpu" + ("_packed" if packed else "") + ("_2wg" if wgs == 2 else ""),
-        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )
     o, lse = f(*q_in, lim, nblk, page_rows, pages)
     lse = lse[:, :, 0, :RR]

@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.mgpu_common import SMS, WGMMA, bf16_tiled, gpu_interpret_params
 
 BLOCK_ROWS = 64  # one wgmma's M: the rows a block (and a CTA) holds
 BK = 64  # K step: a [64, 64] bf16 A tile and a [64, BN] B tile a stage (128-byte swizzled rows)
@@ -54,9 +55,8 @@ def tiles(K: int, N: int) -> bool:
 def _tile_cols(NB: int, N: int) -> int:
     """N tile: 128 columns, or 64 where the grid would be under two CTAs per SM at 128 (a decode step's
     few blocks: more CTAs stream the weights)."""
-    from pallas_kernels.kda.mgpu import _SMS
 
-    return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * _SMS else 64
+    return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * SMS else 64
 
 
 def fixed_tile_cols(N: int) -> int:
@@ -73,21 +73,19 @@ def fixed_k_splits(K: int, N: int) -> int:
     N tiles (`fixed_tile_cols`) up to one CTA an SM. At batch <= 64 a projection is one row block, so
     without a split a [7168, 1536] weight streams through 12 CTAs (a tenth of an H100's bandwidth, device
     call 24); with it, 8 splits of 14 steps, 96 CTAs."""
-    from pallas_kernels.kda.mgpu import _SMS
 
-    nk, want = K // BK, -(-_SMS // (N // fixed_tile_cols(N)))
+    nk, want = K // BK, -(-SMS // (N // fixed_tile_cols(N)))
     return max(d for d in range(1, nk + 1) if d == 1 or (nk % d == 0 and d <= want and nk // d >= MIN_SPLIT_STEPS))
 
 
 def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: int, splits: int, interpret: bool):
     """-> [splits, M, N] f32: each K range's partial products."""
-    from pallas_kernels.kda.mgpu import WGMMA, _bf16_tiled, _gpu_interpret_params
 
     M, K = x.shape
     N = w.shape[-1]
     NB, nk = M // BLOCK_ROWS, K // BK // splits  # nk: the K steps of one split
     f32 = jnp.float32
-    tiled = (lambda cols: {}) if interpret else _bf16_tiled
+    tiled = (lambda cols: {}) if interpret else bf16_tiled
 
     def kernel(x_ref, w_ref, be_ref, nb_ref, y_ref, x_s, w_s, o_s, bar):
         b, s = lax.axis_index("blk"), lax.axis_index("ksplit")
@@ -143,7 +141,7 @@ def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: in
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         kernel_name="moe_grouped_matmul_mgpu",
-        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )
     return f(x, w, block_expert, used_blocks)
 

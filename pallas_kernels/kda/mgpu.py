@@ -38,7 +38,6 @@ o is written straight into the packed `[T, HV, V]` output with a ladder of TMA s
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import NamedTuple
 
 import jax
@@ -50,6 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.dispatch import batch_invariant_rows
 from pallas_kernels.kda.prep import chunk_prep
 from pallas_kernels.kda.ref import fused_inputs_ref
+from pallas_kernels.mgpu_common import COL, ROW, SMS, WGMMA, bf16_tiled, f32_tiled, gpu_interpret_params, load_tile
 from pallas_kernels.varlen import CHUNK_TOKENS, chunk_table
 
 try:  # registers the pl.pallas_call lowering for Mosaic GPU where this JAX still has one
@@ -57,33 +57,12 @@ try:  # registers the pl.pallas_call lowering for Mosaic GPU where this JAX stil
 except ImportError:  # pragma: no cover
     _pcr = None
 
-WGMMA = plgpu.Layout.WGMMA
-ROW = plgpu.Layout.WGMMA.reduce(1)  # [M] vector along the rows of a WGMMA tile
-COL = plgpu.Layout.WGMMA.reduce(0)  # [N] vector along the columns
-# JAX 0.10's `plgpu.load` takes an index argument; 0.11 deprecates it (index the ref instead)
-_LOAD_IDX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
-
-
-def load_tile(ref, layout, **kw):
-    """`plgpu.load` of a whole (already indexed) ref into registers, on JAX 0.10 and 0.11."""
-    return plgpu.load(ref, (), layout=layout, **kw) if _LOAD_IDX else plgpu.load(ref, layout=layout, **kw)
-
-
 def _bc_rows(x, shape):
     return lax.broadcast_in_dim(x, shape, (0,))
 
 
 def _bc_cols(x, shape):
     return lax.broadcast_in_dim(x, shape, (1,))
-
-
-def _f32_tiled():
-    return dict(transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
-
-
-def _bf16_tiled(cols, max_swizzle=128):
-    sw = min(max_swizzle, cols * 2)
-    return dict(transforms=(plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)))
 
 
 # ---- decode --------------------------------------------------------------------------------
@@ -237,7 +216,6 @@ def step_vt(layout, V):
 
 
 # SMs of an H100 / H200: a grid of fewer CTAs leaves SMs idle (decode's tiles, the inter kernel's vt)
-_SMS = 132
 
 
 def decode_vt(N, HV, V, layout=None):
@@ -246,7 +224,7 @@ def decode_vt(N, HV, V, layout=None):
     vt-32 form steps every column as vt 64 does, bit for bit), else 64; 64 in "wgmma". Twice the CTAs
     for the same bytes: at one sequence x 12 heads 48 CTAs of 16 KiB take 2.86 us against 24 of 32
     KiB's 3.13 (fla 2.84; bench/NOTES.md, session 11)."""
-    if (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= _SMS:
+    if (layout or STEP_LAYOUT) == "colwarp" and V % 32 == 0 and N * HV * (V // 32) <= SMS:
         return 32
     return step_vt(layout, max(V, 64))  # the layout's widest tile (decode clips it to V)
 
@@ -269,7 +247,7 @@ def decode_tiles(N, HV, V, vt=64):
     two tiles' 29.0-29.1; 1024 x 12: 404.1 against 406.7-407.0; 256 x 96: 804.7 against 807.8-809.5).
     Grids between 264 and 1,536 one-tile CTAs were not measured. The tile count never changes a bit:
     every tile steps alike (tests/gpu)."""
-    if _SMS < N * HV * (V // vt) <= 2 * _SMS and V % (2 * vt) == 0:
+    if SMS < N * HV * (V // vt) <= 2 * SMS and V % (2 * vt) == 0:
         return 2
     return 1
 
@@ -460,7 +438,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
 
     if P is not None:
         pscratch = [
-            plgpu.SMEM((2, K, vt), jnp.float32, **({} if interpret else _f32_tiled())),
+            plgpu.SMEM((2, K, vt), jnp.float32, **({} if interpret else f32_tiled())),
             plgpu.SMEM((2, K), q.dtype),
             plgpu.SMEM((2, K), k.dtype),
             plgpu.SMEM((2, K), g.dtype),
@@ -470,7 +448,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
         ]
         o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
         ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
-        interp = {"interpret": _gpu_interpret_params()} if interpret else {}
+        interp = {"interpret": gpu_interpret_params()} if interpret else {}
         kw = dict(grid=(P,), grid_names=("cta",), scratch_types=pscratch, compiler_params=params,
                   kernel_name="kda_decode_persistent_mgpu", **interp)
         if api == "ref":
@@ -486,7 +464,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
         raise ValueError(f"the persistent decode takes api 'ref' or 'scatter', got {api!r}")
 
     scratch = [
-        plgpu.SMEM((tiles, K, vt), jnp.float32, **({} if interpret else _f32_tiled())),
+        plgpu.SMEM((tiles, K, vt), jnp.float32, **({} if interpret else f32_tiled())),
         plgpu.SMEM((K,), q.dtype),
         plgpu.SMEM((K,), k.dtype),
         plgpu.SMEM((K,), g.dtype),
@@ -497,7 +475,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     ]
     o_type = jax.ShapeDtypeStruct((N, HV, V), jnp.float32)
     ins = (q, k, v, g, beta, slots.astype(jnp.int32), reset.astype(jnp.int32))
-    interp = {"interpret": _gpu_interpret_params()} if interpret else {}
+    interp = {"interpret": gpu_interpret_params()} if interpret else {}
     if api == "ref":  # JAX >= 0.11: the pool goes in as a mutable JAX Ref, written in place
         pool_ref = jax.new_ref(pool3)
 
@@ -612,15 +590,6 @@ def _layout_for(cu_seqlens, T, snapshot_at=None) -> SegmentLayout:
     return _segment_layout(_segments(cu_seqlens, T, snapshot_at), T, aligned)
 
 
-def _gpu_interpret_params():
-    """Mosaic GPU interpret mode (runs a `plgpu.kernel` on the CPU, simulating SMEM, TMA and
-    barriers): how the CPU tests check the prep kernel itself. Not exported by
-    `jax.experimental.pallas.mosaic_gpu` in JAX 0.10, hence the private import."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
 def _bf16_split(x):
     """f32 -> (hi, lo) bf16 with hi + lo = x to ~16 bits: a product of two splits (three wgmma,
     dropping lo x lo) is close to f32."""
@@ -675,7 +644,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
     nl = C.bit_length() - 1
     assert C == 64 and K % 64 == 0 and V % 64 == 0
     # swizzled tiles for TMA and wgmma (interpret mode simulates plain row-major SMEM)
-    tiled = lambda shape, dt: {} if interpret else (_f32_tiled() if dt == f32 else _bf16_tiled(shape[-1]))
+    tiled = lambda shape, dt: {} if interpret else (f32_tiled() if dt == f32 else bf16_tiled(shape[-1]))
 
     fused_gate = gate is not None
     lower_bound = gate.lower_bound if fused_gate else None
@@ -914,7 +883,7 @@ def _chunk_prep_call(q, k, v, g, beta_t, ctok, cnum, cval, *, scale, interpret=F
         ],
         compiler_params=_PREP_PARAMS,
         kernel_name="kda_chunk_prep_mgpu" + ("_gate" if fused_gate else "") + ("_l2" if qk_l2norm else ""),
-        **({"interpret": _gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params()} if interpret else {}),
     )
     extra = [_gate_rows(gate, HV, K)] if fused_gate else []
     return f(q, k, v, g, beta_t, ctok, cnum, cval, *extra)
@@ -1084,14 +1053,14 @@ def _chunk_inter_call(w, qg, kdT, aqk, u0, gl, h0, ccu, ctok, cnum, T, *, vt, po
         grid_names=("seq", "head", "vtile"),
         scratch_types=[
             # the A operands' swizzle must match their B operands' ([*, vt] tiles: 2 * vt bytes a row)
-            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K, 2 * vt)),
-            plgpu.SMEM((2, C, K), jnp.bfloat16, **_bf16_tiled(K, 2 * vt)),
-            plgpu.SMEM((2, K, C), jnp.bfloat16, **_bf16_tiled(C, 2 * vt)),
-            plgpu.SMEM((2, C, C), jnp.bfloat16, **_bf16_tiled(C, 2 * vt)),
-            plgpu.SMEM((2, C, vt), jnp.bfloat16, **_bf16_tiled(vt)),
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **bf16_tiled(K, 2 * vt)),
+            plgpu.SMEM((2, C, K), jnp.bfloat16, **bf16_tiled(K, 2 * vt)),
+            plgpu.SMEM((2, K, C), jnp.bfloat16, **bf16_tiled(C, 2 * vt)),
+            plgpu.SMEM((2, C, C), jnp.bfloat16, **bf16_tiled(C, 2 * vt)),
+            plgpu.SMEM((2, C, vt), jnp.bfloat16, **bf16_tiled(vt)),
             plgpu.SMEM((2, K), jnp.float32),
-            plgpu.SMEM((K, vt), jnp.bfloat16, **_bf16_tiled(vt)),
-            plgpu.SMEM((C, vt), jnp.bfloat16, **_bf16_tiled(vt)),
+            plgpu.SMEM((K, vt), jnp.bfloat16, **bf16_tiled(vt)),
+            plgpu.SMEM((C, vt), jnp.bfloat16, **bf16_tiled(vt)),
             plgpu.SMEM((2 * C, vt), jnp.float32),
             plgpu.SMEM((K, vt), jnp.float32),
             plgpu.Barrier(num_arrivals=6, num_barriers=2),
@@ -1114,7 +1083,7 @@ def inter_vt(num_seqs: int, HV: int, V: int) -> int:
     """The inter kernel's V tile: 64, or 32 when the (sequence, head, 64-wide V tile) CTAs do not fill
     the SMs (one sequence x 12 heads: 24 CTAs). Measured on the H200 at 32k / 12 heads: vt 32 0.97 ms
     against vt 64 1.07 (bench/NOTES.md)."""
-    return 32 if num_seqs * HV * (V // 64) < _SMS else 64
+    return 32 if num_seqs * HV * (V // 64) < SMS else 64
 
 
 def chunk(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, vt=None, prep="mgpu_loop", snapshot_at=None,

@@ -283,14 +283,14 @@ def verify_mgpu(q, k, v, g, beta, pool3, base, reset, *, vt=None, tiles=1, snaps
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu.f32_tiled()),
         plgpu.SMEM((3, T, K), f32),
         plgpu.SMEM((T, span), f32),
         plgpu.SMEM((T, span), f32),
     ]
     out_types = [jax.ShapeDtypeStruct((N, T, HV, V), f32)]
     if snapshots:
-        scratch.append(plgpu.SMEM((2, K, vt), f32, **mgpu._f32_tiled()))
+        scratch.append(plgpu.SMEM((2, K, vt), f32, **mgpu.f32_tiled()))
         out_types.append(jax.ShapeDtypeStruct((N, HV, T, K, V), f32))
     scratch.append(plgpu.Barrier(num_arrivals=4 + tiles, num_barriers=1))
     i32 = lambda x: x.astype(jnp.int32)
@@ -356,8 +356,8 @@ def fold_mgpu(pool3, base, snap_base, k, v, g, beta, n_keep, snap_at, *, vt=None
         plgpu.wait_smem_to_gmem(0)
 
     scratch = [
-        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
-        plgpu.SMEM(tile_shape, f32, **mgpu._f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu.f32_tiled()),
+        plgpu.SMEM(tile_shape, f32, **mgpu.f32_tiled()),
         plgpu.SMEM((2, T, K), f32),
         plgpu.SMEM((T, span), f32),
         plgpu.Barrier(num_arrivals=3 + tiles, num_barriers=1),
