@@ -221,6 +221,13 @@ calls() {
    DECODE_WARPGROUPS's default)
 32 k3-mini decode at batch 1 and 64 with 16k in context, the MLA decode kernel against the blocked XLA form
    (~4 min) -> k3_mini_mla_kernel.json. Prediction: the 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms)
+33 the MLA kernel on prefill chunks too (session 26, `mla.PREFILL_KERNEL`: a 64-token chunk x 12 heads = 12 row
+   blocks of 64 rows, each stopping at its own last visible key): tests/gpu/test_mla_gpu.py's kernel cases, then
+   k3-mini prefill of 4k and 16k in one step, the blocked XLA form against the kernel (~6 min) -> tests.txt,
+   k3_mini_prefill_kernel.json. Prediction: MLA in the 16k prefill from ~182 ms (session 24, blocked, H100) to
+   ~40-60 (~11 TFLOP of wgmma with q's and the weights' two halves and the scores computed once a value half,
+   at ~200-250 TFLOP/s), the step from ~486 to ~350 ms; at 4k MLA 9 -> ~3 ms. Rule: with the tests passing,
+   PREFILL_KERNEL becomes True if the step is faster with it at both lengths
 EOF
 }
 
@@ -410,9 +417,14 @@ case "$1" in
         --mla-form blocked --mla-blocks static needed --iters 10 --profile-steps 3 --out "$OUT/k3_mini_blocks_16k.json"
     ;;
 31)
-    gpu_tests tests 90 -q -x tests/gpu/test_mla_gpu.py
+    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
     step mla_decode timeout 150 python3 bench/mla_decode.py --batch 1 64 256 --context 16384 --packed 1 0 --warpgroups 1 2 \
         --calls 5 --reps 5 --out "$OUT/mla_decode.json"
+    ;;
+33)
+    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py -k "decode_kernel"
+    step k3_mini_prefill_kernel timeout 420 python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --impl pallas \
+        --mla-form blocked kernel_prefill --iters 5 --profile-steps 2 --out "$OUT/k3_mini_prefill_kernel.json"
     ;;
 32)
     step k3_mini_mla_kernel timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \

@@ -238,10 +238,13 @@ def main(argv=None):
                     help="TMA stages of the grouped-matmul kernel (`pallas_kernels.moe.STAGES`; 0, the default: "
                          "its setting) for the rows that run it (--moe-impl auto or pallas, and the mode's kernel "
                          "form); rows marked moe_stages")
-    ap.add_argument("--mla-form", nargs="*", default=["kernel" if mla_kernels.DECODE_KERNEL else mla_kernels.XLA_FORM],
-                    choices=["kernel", "blocked", "dense"],
+    ap.add_argument("--mla-form", nargs="*", default=[("kernel_prefill" if mla_kernels.PREFILL_KERNEL else "kernel")
+                                                    if mla_kernels.DECODE_KERNEL else mla_kernels.XLA_FORM],
+                    choices=["kernel", "kernel_prefill", "blocked", "dense"],
                     help="the MLA attention: kernel = the decode kernel for the pallas rows' decode and verify groups "
-                         "(`pallas_kernels.mla.DECODE_KERNEL`, the default; the blocked XLA form elsewhere), or the XLA "
+                         "(`pallas_kernels.mla.DECODE_KERNEL`, the default; the blocked XLA form elsewhere), "
+                         "kernel_prefill = the kernel for their prefill chunks too (`pallas_kernels.mla.PREFILL_KERNEL`), "
+                         "or the XLA "
                          "form alone (`pallas_kernels.mla.XLA_FORM`): blocked = keys in page blocks with an online "
                          "softmax (memory of one block), dense = the one-pass reference (every key gathered in f32, "
                          "every score held); rows marked mla_form")
@@ -299,8 +302,9 @@ def main(argv=None):
             row["invariant_experts"], row["expert_group"], row["invariant_proj"] = ie, eg, ip
         row["moe_impl"] = mi
         row["mla_form"] = mf
-        mla_kernels.DECODE_KERNEL = mf == "kernel"  # read when the step is traced
-        mla_kernels.XLA_FORM = "blocked" if mf == "kernel" else mf  # read when the step is traced
+        mla_kernels.DECODE_KERNEL = mf.startswith("kernel")  # read when the step is traced
+        mla_kernels.PREFILL_KERNEL = mf == "kernel_prefill"  # read when the step is traced
+        mla_kernels.XLA_FORM = "blocked" if mf.startswith("kernel") else mf  # read when the step is traced
         if mf == "blocked":
             mla_kernels.KEY_BLOCKS = mb  # read when the step is traced
             row["mla_blocks"] = mla_kernels.key_blocks()
@@ -353,11 +357,14 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         with open(args.out, "w") as fh:
             json.dump(res, fh, indent=1)
-    print("\nmla: the MLA attention's form (b blocked, d dense) and key blocks (s static, n needed)")
+    print("\nmla: the MLA attention's form (k kernel, p kernel with prefill, b blocked, d dense), key blocks (s static, n needed)")
     print(f"{'batch':>5} {'impl':7} {'layout':7} {'inv':>4} {'eg':>2} {'moe':7} {'proj':6} {'mla':3} {'st':>2} "
           f"{'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)  temp MB  copy MB (entry + loop bodies, once a trip)")
+    # the MLA form's letter (kernel, p = kernel_prefill, blocked, dense) and the blocked form's key blocks'
+    mla_tag = lambda r: ("p" if r.get("mla_form") == "kernel_prefill" else r.get("mla_form", "dense")[0]) + \
+        r.get("mla_blocks", "-")[0]
     for r in res["results"]:
         p = r.get("profile", {}).get("by_layer_type_ms", {})
         g = lambda k: f"{p.get(k, 0.0):7.3f}" if p else "    -  "
@@ -366,7 +373,7 @@ def main(argv=None):
         copies = f"{c['entry_mb']:.0f} + {c['other_mb']:.0f}" if c else "-"
         print(f"{n:>5} {r['impl']:7} {r.get('layout', 'split'):7} {r.get('batch_invariant_rows', 0):4d} "
               f"{r.get('expert_group', 1):2d} {r.get('invariant_experts') or r.get('moe_impl', 'auto'):7} "
-              f"{r.get('invariant_proj', '-'):6} {r.get('mla_form', 'dense')[0] + r.get('mla_blocks', '-')[0]:3} "
+              f"{r.get('invariant_proj', '-'):6} {mla_tag(r):3} "
               f"{r.get('moe_stages', 0) or '-':>2} "
               f"{r.get('step_ms', float('nan')):8.3f} "
               f"{r.get('tokens_per_s', float('nan')):9.0f} "

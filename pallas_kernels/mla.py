@@ -13,7 +13,8 @@ context; `mla_paged_attention_ref` is the one-pass form (every key gathered in f
 quadratic in a prefill chunk's context), kept as the spec and as `XLA_FORM = "dense"`.
 
 `mla_decode_mgpu` is the Mosaic GPU kernel for decode and verify groups (impl "pallas"; "pallas_interpret"
-runs it in Mosaic GPU's interpret mode on the CPU), behind `DECODE_KERNEL`; docs/kernels.md describes it.
+runs it in Mosaic GPU's interpret mode on the CPU), behind `DECODE_KERNEL`, and for prefill chunks behind
+`PREFILL_KERNEL` too; docs/kernels.md describes it.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ DECODE_PACKED = "auto"
 # 2 (one CTA holds both halves, a warpgroup each, sharing q and the key ring: the keys read once)
 DECODE_WARPGROUPS = 1
 DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: decode and verify; prefill runs XLA
+# Whether the kernel also takes prefill chunks (groups of more than DECODE_MAX_ROWS rows, e.g. a 64-token chunk x
+# 12 heads) where DECODE_KERNEL sends decode and verify groups to it. A group's 64-row blocks each stop at their
+# own last visible key (the causal skip); their re-reads of the shared keys are L2 hits. Off until a device call
+# times it against the blocked XLA form (device call 33).
+PREFILL_KERNEL = False
 # Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
 # impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 31); the
 # CPU tests and the bench's "kernel" rows turn it on.
@@ -154,14 +160,14 @@ DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" 
 
 def decode_unsupported(q_shape, pages_shape, pages_dtype, v_dim) -> str | None:
     """Why the decode kernel does not take these shapes (None: it does). It needs bf16 pages; C x H rows
-    within `DECODE_MAX_ROWS`; Dk a multiple of 64 and v_dim of 128, at most Dk; pages of a size that divides
+    within `DECODE_MAX_ROWS` unless `PREFILL_KERNEL`; Dk a multiple of 64 and v_dim of 128, at most Dk; pages of a size that divides
     or is divided by `DECODE_BLOCK`."""
     _, C, H, Dk = q_shape
     ps = pages_shape[2]
     if jnp.dtype(pages_dtype) != jnp.bfloat16:
         return f"pages must be bfloat16, got {jnp.dtype(pages_dtype)}"
-    if C * H > DECODE_MAX_ROWS:
-        return f"a group's {C} x {H} query rows exceed DECODE_MAX_ROWS ({DECODE_MAX_ROWS})"
+    if C * H > DECODE_MAX_ROWS and not PREFILL_KERNEL:
+        return f"a group's {C} x {H} query rows exceed DECODE_MAX_ROWS ({DECODE_MAX_ROWS}) and PREFILL_KERNEL is off"
     if Dk % 64 or v_dim % 128 or v_dim > Dk:
         return f"key width {Dk} must be a multiple of 64 and value width {v_dim} a multiple of 128, at most {Dk}"
     if ps % DECODE_BLOCK and DECODE_BLOCK % ps:
@@ -219,7 +225,8 @@ def decode_plan(G: int, rows: int, table_keys: int, *, packed=None, stages=None,
 def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, splits=None, packed=None,
                     stages=None, warpgroups=None, interpret=False):
     """The absorbed, ragged MLA attention as a Mosaic GPU kernel (`mla_paged_attention`'s arguments and
-    result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`).
+    result), for decode and verify (a group's C x H query rows within `DECODE_MAX_ROWS`), and for prefill chunks
+    with `PREFILL_KERNEL`.
 
     Grid (group row block, split, value half), or with `warpgroups` 2 (`DECODE_WARPGROUPS`) (group row block,
     split) and the two value halves on two warpgroups of one CTA, which share its shared memory. A CTA holds a

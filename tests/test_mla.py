@@ -197,9 +197,31 @@ def test_decode_kernel_reads_only_the_blocks_it_needs():
                                                            v_dim=KVD, block_pages=1, blocks="static"))).any()
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_kernel_takes_prefill_chunks(monkeypatch, packed):
+    """With PREFILL_KERNEL, prefill-sized groups (40 queries x 4 heads = 160 rows: three 64-row blocks, five packed
+    ones of 32) run on the kernel: equal to the reference, for a prompt's first chunk (positions 0-39) and a later
+    one (56-95, over 96 keys). Each row block reads only up to its own last visible key: with the first chunk's
+    keys from 32 on poisoned with NaN, its queries 0-31 keep their bits and 32-39, which see them, do not."""
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", True)
+    q, _, rows, pages, _ = kernel_case(2, 40, 4, 16, 6, seed=5)
+    pos = jnp.asarray(np.stack([np.arange(40), np.arange(56, 96)]), jnp.int32)
+    kv_len = jnp.array([40, 96], jnp.int32)
+    kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
+    run = lambda pages: np.asarray(mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, packed=packed, splits=1,
+                                                       interpret=True, **kw))
+    clean = run(pages)
+    np.testing.assert_allclose(clean, np.asarray(mla.mla_paged_attention_ref(q, pos, rows, pages, kv_len, **kw)),
+                               rtol=1e-5, atol=1e-5)
+    poisoned = run(pages.at[rows[0, 2:], 1].set(jnp.nan))  # 16-key pages: the first chunk's keys 32 and on
+    np.testing.assert_array_equal(poisoned[0, :32], clean[0, :32])
+    assert np.isnan(poisoned[0, 32:]).all()
+
+
 def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     """With DECODE_KERNEL on, impl "pallas_interpret" runs the kernel for bf16 pages and decode-sized groups, the
-    XLA path otherwise (f32 pages; a prefill group's rows past DECODE_MAX_ROWS); DECODE_KERNEL False turns it off."""
+    XLA path otherwise (f32 pages; a prefill group's rows past DECODE_MAX_ROWS, until PREFILL_KERNEL); DECODE_KERNEL
+    False turns it off."""
     monkeypatch.setattr(mla, "DECODE_KERNEL", True)
     calls = []
     real = mla.mla_decode_mgpu
@@ -212,9 +234,14 @@ def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     big = jnp.zeros((2, 64, 4, KDK), jnp.float32)  # 256 rows a group: prefill-sized
     mla.mla_paged_attention(big, jnp.zeros((2, 64), jnp.int32), rows, pages, kv_len, impl="pallas_interpret", **kw)
     mla.mla_paged_attention(q, pos, rows, pages, kv_len, impl="xla", **kw)
+    assert calls == [True]
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", True)  # prefill chunks too
+    mla.mla_paged_attention(big, jnp.zeros((2, 64), jnp.int32), rows, pages, kv_len, impl="pallas_interpret", **kw)
+    assert calls == [True, True]
     monkeypatch.setattr(mla, "DECODE_KERNEL", False)
     mla.mla_paged_attention(q, pos, rows, pages, kv_len, impl="pallas_interpret", **kw)
-    assert calls == [True]
+    mla.mla_paged_attention(big, jnp.zeros((2, 64), jnp.int32), rows, pages, kv_len, impl="pallas_interpret", **kw)
+    assert calls == [True, True]
 
 
 def test_decode_kernel_names_what_it_does_not_take():
@@ -246,15 +273,17 @@ def test_decode_splits():
     assert mla.decode_splits(64, 16384, ctas_per_split=1) == 4  # both value halves in one CTA
 
 
-def test_decode_kernel_lowers_for_cuda():
+def test_decode_kernel_lowers_for_cuda(monkeypatch):
     """Lowering only (no GPU): the kernel lowers to the Mosaic GPU custom call at k3-mini's widths (12 heads,
     576-wide keys, 512-wide values) for decode at 64-token pages and verify (8 x 12 rows: two row blocks) at
-    16-token pages, with and without splits, q's halves packed and not, on one and two warpgroups a CTA."""
+    16-token pages, with and without splits, q's halves packed and not, on one and two warpgroups a CTA, and
+    for prefill chunks (64 x 12 rows: 12 row blocks)."""
     import functools
 
     sd = jax.ShapeDtypeStruct
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", True)
     for G, C, ps, packed, wgs in ((64, 1, 64, None, 1), (64, 1, 64, False, 1), (4, 8, 16, None, 1), (4, 8, 16, True, 1),
-                                  (1, 1, 128, None, 1), (64, 1, 64, None, 2), (4, 8, 16, None, 2)):
+                                  (1, 1, 128, None, 1), (64, 1, 64, None, 2), (4, 8, 16, None, 2), (4, 64, 64, None, 1)):
         P = 16384 // ps
         f = functools.partial(mla.mla_decode_mgpu, layer=1, scale=0.07, v_dim=512, packed=packed, warpgroups=wgs)
         try:
@@ -270,7 +299,8 @@ def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     """The engine's greedy tokens with the MLA decode and verify groups on the kernel (interpret mode; everything
     else on the XLA path) equal those without it, on a bf16 k3-tiny with the kernel's widths (192-wide keys:
     latent 128 + rope 64): the engine's padded decode rows and page tables through the kernel, and speculative
-    verify blocks (5 queries a group) drafted by an oracle that is partly right."""
+    verify blocks (5 queries a group) drafted by an oracle that is partly right, with the prefill chunks on the
+    kernel as well (`PREFILL_KERNEL`)."""
     from k3jax import LLM, SamplingParams
     from k3jax.api import Model
     from k3jax.config import preset
@@ -303,6 +333,7 @@ def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     assert got == want
     oracle = OracleDrafter({tuple(p): o for p, o in zip(prompts, want)}, base.vocab_size)
     rows.clear()
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", True)  # and the prefill chunks (64 tokens a group) on it too
     got, stats = run("k3-tiny-mla-kernel-spec", True, speculative=oracle, num_draft_tokens=4)
-    assert 5 in rows and stats["spec_accepted"] > 0  # verify blocks of 1 + 4 queries a group on the kernel
+    assert {5, 64} <= set(rows) and stats["spec_accepted"] > 0  # verify blocks of 1 + 4 queries a group, prefill
     assert got == want

@@ -5,7 +5,8 @@ group) and decode-like (1 query a group) calls over contexts from empty to full;
 compiled temporaries against the dense form's. Bit equality of "static" and "needed" is what the
 batch-invariant mode relies on (device call 30 times the two). The decode kernel (`mla.mla_decode_mgpu`) against
 the same reference for decode (1 query a group) and verify (8 queries: two row blocks of 64 rows), with and
-without key-range splits, and a NaN-poisoned page past a group's last visible block left unread."""
+without key-range splits, and prefill chunks (64 queries a group: 12 row blocks, `PREFILL_KERNEL`), and a
+NaN-poisoned page past a group's last visible block left unread."""
 
 import numpy as np
 import pytest
@@ -86,10 +87,13 @@ def test_blocked_temporaries_stay_near_one_block(monkeypatch):
 
 @pytest.mark.parametrize("G,C,ps,splits,packed,wgs", [
     (64, 1, 16, None, None, 1), (64, 1, 64, 1, None, 1), (64, 1, 64, None, False, 1), (8, 8, 16, None, None, 1),
-    (8, 8, 64, 2, True, 1), (3, 1, 64, 7, None, 1), (64, 1, 64, None, None, 2), (8, 8, 16, 3, None, 2)])
-def test_decode_kernel_against_float64(G, C, ps, splits, packed, wgs):
+    (8, 8, 64, 2, True, 1), (3, 1, 64, 7, None, 1), (64, 1, 64, None, None, 2), (8, 8, 16, 3, None, 2),
+    (8, 64, 64, None, None, 1), (8, 64, 16, 2, True, 2)])
+def test_decode_kernel_against_float64(G, C, ps, splits, packed, wgs, monkeypatch):
     """Within 1e-4 of float64 (q and the weights in two bf16 halves: ~f32 arithmetic on the bf16 keys), where
-    the XLA path's f32 products (TF32 on the tensor cores) are checked to 5e-3 above."""
+    the XLA path's f32 products (TF32 on the tensor cores) are checked to 5e-3 above. C = 64: prefill chunks
+    (64 x 12 rows, `PREFILL_KERNEL`), each row block stopping at its own last visible key."""
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", C * H > mla.DECODE_MAX_ROWS)
     q, pos, rows, pages, kv_len = _case(G, C, seed=1)
     want = _reference(q, pos, rows, pages, kv_len)
     if ps != PS:  # the same keys in pages of ps tokens (page 0, the sink, zeros)
