@@ -222,12 +222,20 @@ calls() {
 32 k3-mini decode at batch 1 and 64 with 16k in context, the MLA decode kernel against the blocked XLA form
    (~4 min) -> k3_mini_mla_kernel.json. Prediction: the 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms)
 33 the MLA kernel on prefill chunks too (session 26, `mla.PREFILL_KERNEL`: a 64-token chunk x 12 heads = 12 row
-   blocks of 64 rows, each stopping at its own last visible key): tests/gpu/test_mla_gpu.py's kernel cases, then
+   blocks of 64 rows, each stopping at its own last visible key): tests/gpu/test_mla_gpu.py, then
    k3-mini prefill of 4k and 16k in one step, the blocked XLA form against the kernel (~6 min) -> tests.txt,
    k3_mini_prefill_kernel.json. Prediction: MLA in the 16k prefill from ~182 ms (session 24, blocked, H100) to
    ~40-60 (~11 TFLOP of wgmma with q's and the weights' two halves and the scores computed once a value half,
    at ~200-250 TFLOP/s), the step from ~486 to ~350 ms; at 4k MLA 9 -> ~3 ms. Rule: with the tests passing,
    PREFILL_KERNEL becomes True if the step is faster with it at both lengths
+35 call 33 cut to a short budget: tests/gpu/test_mla_gpu.py, then k3-mini prefill of 4k alone, blocked against the
+   kernel (~4 min) -> tests.txt, k3_mini_prefill_kernel.json (prediction and rule as 33's, at 4k)
+34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
+   (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
+   prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
+   128-2,048-token prompts, half behind 4 shared 512-token prefixes; 64-128 new tokens) (~8 min)
+   -> serve_k3_mini.json. Prediction: inter-token p50 ~5 ms at 1 client (the 3.7 ms step plus host work),
+   ~8-12 ms at 64; output ~4-6k tok/s at 64 clients; TTFT p50 ~0.1-0.3 s
 EOF
 }
 
@@ -422,9 +430,20 @@ case "$1" in
         --calls 5 --reps 5 --out "$OUT/mla_decode.json"
     ;;
 33)
-    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py -k "decode_kernel"
-    step k3_mini_prefill_kernel timeout 420 python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --impl pallas \
-        --mla-form blocked kernel_prefill --iters 5 --profile-steps 2 --out "$OUT/k3_mini_prefill_kernel.json"
+    gpu_tests tests 120 -q tests/gpu/test_mla_gpu.py
+    step k3_mini_prefill_kernel timeout 280 python3 bench/k3_mini_h200.py --batch --prefill 4096 16384 --impl pallas \
+        --mla-form blocked kernel_prefill --iters 3 --profile-steps 1 --out "$OUT/k3_mini_prefill_kernel.json"
+    ;;
+35)
+    gpu_tests tests 110 -q tests/gpu/test_mla_gpu.py
+    step k3_mini_prefill_kernel timeout 150 python3 bench/k3_mini_h200.py --batch --prefill 4096 --impl pallas \
+        --mla-form blocked kernel_prefill --iters 3 --profile-steps 1 --out "$OUT/k3_mini_prefill_kernel.json"
+    ;;
+34)
+    step serve_k3_mini timeout 540 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 64 \
+        --requests 16 96 256 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
+        --max-seq-len 4096 --prefill-chunk 1024 --ready-timeout 300 --server-log "$OUT/serve_k3_mini_server.log" \
+        --out "$OUT/serve_k3_mini.json"
     ;;
 32)
     step k3_mini_mla_kernel timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \

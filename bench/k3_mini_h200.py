@@ -143,7 +143,8 @@ def _event_op(e, scopes):
 
 
 # Mosaic GPU kernels by a part of their kernel_name -> (layer type, scope) in the breakdown
-_MOSAIC_KERNELS = {"kda": ("kda", "kda_core"), "moe_grouped_matmul": ("moe", "moe_experts")}
+_MOSAIC_KERNELS = {"kda": ("kda", "kda_core"), "moe_grouped_matmul": ("moe", "moe_experts"),
+                   "mla_decode_mgpu": ("mla", "mla_attn")}
 
 
 def profile_breakdown(run, hlo_text, steps, device="/device:GPU"):

@@ -153,6 +153,16 @@ def kernel_case(G, C, H, ps, P, seed=0):
     return q, jnp.asarray(np.where(pos >= 0, pos, -1), jnp.int32), rows, pages, jnp.asarray(kv_len, jnp.int32)
 
 
+def test_bf16_halves_carry_17_bits():
+    """q's two bf16 halves: hi is x rounded to bf16 (to nearest), lo the rest, so hi + lo is x to ~2^-17."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 3, jnp.float32)
+    hi, lo = jax.jit(mla.bf16_halves)(x)
+    assert hi.dtype == lo.dtype == jnp.bfloat16
+    rel = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - np.asarray(x, np.float64)) / np.abs(x)
+    assert rel.max() < 2.0 ** -16 and np.asarray(lo).any()
+    assert (np.asarray(hi) == np.asarray(x.astype(jnp.bfloat16))).mean() > 0.999  # ties may round apart
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("C,H,ps,P,splits", [(1, 4, 16, 6, 1), (3, 4, 64, 2, 3), (5, 16, 16, 5, 2)])
 def test_decode_kernel_equals_the_reference(C, H, ps, P, splits, packed):
@@ -163,7 +173,7 @@ def test_decode_kernel_equals_the_reference(C, H, ps, P, splits, packed):
     args = kernel_case(4, C, H, ps, P)
     kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
     want = np.asarray(mla.mla_paged_attention_ref(*args, **kw))
-    got = np.asarray(mla.mla_decode_mgpu(*args, splits=splits, packed=packed, interpret=True, **kw))
+    got = np.asarray(mla.mla_decode_mgpu(*args, splits=splits, packed=packed, warpgroups=1, interpret=True, **kw))
     assert got.shape == want.shape and np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # q and the weights in two bf16 halves: ~f32
     assert not got[0].any()  # an empty context: zeros
@@ -208,7 +218,7 @@ def test_kernel_takes_prefill_chunks(monkeypatch, packed):
     pos = jnp.asarray(np.stack([np.arange(40), np.arange(56, 96)]), jnp.int32)
     kv_len = jnp.array([40, 96], jnp.int32)
     kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
-    run = lambda pages: np.asarray(mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, packed=packed, splits=1,
+    run = lambda pages: np.asarray(mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, packed=packed, splits=1, warpgroups=1,
                                                        interpret=True, **kw))
     clean = run(pages)
     np.testing.assert_allclose(clean, np.asarray(mla.mla_paged_attention_ref(q, pos, rows, pages, kv_len, **kw)),

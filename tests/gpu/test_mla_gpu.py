@@ -85,6 +85,15 @@ def test_blocked_temporaries_stay_near_one_block(monkeypatch):
     assert temp["blocked"] <= 4 * (64 << 20) + 2 * G * C * H * VD * 4, temp
 
 
+def test_bf16_halves_survive_xla_on_the_gpu():
+    """XLA on the GPU drops an f32 -> bf16 -> f32 round trip (openxla/xla#41605), which once made q's lo half all
+    zeros (session 26, device call 31): the halves must still carry ~17 bits there."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4096) * 3, jnp.float32)
+    hi, lo = jax.jit(mla.bf16_halves)(x)
+    rel = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - np.asarray(x, np.float64)) / np.abs(x)
+    assert rel.max() < 2.0 ** -16 and np.asarray(lo).any()
+
+
 @pytest.mark.parametrize("G,C,ps,splits,packed,wgs", [
     (64, 1, 16, None, None, 1), (64, 1, 64, 1, None, 1), (64, 1, 64, None, False, 1), (8, 8, 16, None, None, 1),
     (8, 8, 64, 2, True, 1), (3, 1, 64, 7, None, 1), (64, 1, 64, None, None, 2), (8, 8, 16, 3, None, 2),
