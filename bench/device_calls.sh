@@ -218,9 +218,12 @@ calls() {
    warpgroups faster than one at 16k (the keys read once). Rule: with the tests passing, DECODE_KERNEL and
    GPU_KERNELS["mla_paged_attention"] become True (the kernel by default on a Hopper GPU) if it is faster than
    the blocked form at every measured shape, in its fastest layout (which becomes DECODE_PACKED /
-   DECODE_WARPGROUPS's default)
+   DECODE_WARPGROUPS's default). Ran in session 26 (H100, results/session26/): 4.4x / 4.9x the blocked form at 64 /
+   256 x 16k (0.58 / 0.63 of copy), two warpgroups fastest (now the default); the float64 tests failed (q's low
+   half zeroed by XLA, fixed since): call 36 reruns them
 32 k3-mini decode at batch 1 and 64 with 16k in context, the MLA decode kernel against the blocked XLA form
-   (~4 min) -> k3_mini_mla_kernel.json. Prediction: the 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms)
+   (~4 min) -> k3_mini_mla_kernel.json. Prediction: the 64 x 16k step from ~13.3 ms to ~7 (MLA 7.2 -> ~1 ms).
+   Ran in session 26 (H100): 13.22 -> 7.61 ms (MLA 7.32 -> 1.96), batch 1 4.30 -> 4.20
 33 the MLA kernel on prefill chunks too (session 26, `mla.PREFILL_KERNEL`: a 64-token chunk x 12 heads = 12 row
    blocks of 64 rows, each stopping at its own last visible key): tests/gpu/test_mla_gpu.py, then
    k3-mini prefill of 4k and 16k in one step, the blocked XLA form against the kernel (~6 min) -> tests.txt,
@@ -230,6 +233,9 @@ calls() {
    PREFILL_KERNEL becomes True if the step is faster with it at both lengths
 35 call 33 cut to a short budget: tests/gpu/test_mla_gpu.py, then k3-mini prefill of 4k alone, blocked against the
    kernel (~4 min) -> tests.txt, k3_mini_prefill_kernel.json (prediction and rule as 33's, at 4k)
+36 tests/gpu/test_mla_gpu.py alone (~1.5 min) -> tests.txt: the MLA kernel against float64 after the bf16_halves fix.
+   Rule: if they pass, DECODE_KERNEL and GPU_KERNELS["mla_paged_attention"] become True (call 31 found the kernel,
+   two warpgroups, faster than the blocked form at every shape it measured); then 35 or 33 (prefill)
 34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
    (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
    prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
@@ -438,6 +444,9 @@ case "$1" in
     gpu_tests tests 110 -q tests/gpu/test_mla_gpu.py
     step k3_mini_prefill_kernel timeout 150 python3 bench/k3_mini_h200.py --batch --prefill 4096 --impl pallas \
         --mla-form blocked kernel_prefill --iters 3 --profile-steps 1 --out "$OUT/k3_mini_prefill_kernel.json"
+    ;;
+36)
+    gpu_tests tests 110 -q tests/gpu/test_mla_gpu.py
     ;;
 34)
     step serve_k3_mini timeout 540 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 64 \

@@ -153,8 +153,9 @@ DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: dec
 # times it against the blocked XLA form (device call 33).
 PREFILL_KERNEL = False
 # Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
-# impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 31); the
-# CPU tests and the bench's "kernel" rows turn it on.
+# impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 36: call 31
+# ran the kernel 4.4x faster than the XLA form but with q's low half lost, since fixed); the CPU tests and the
+# bench's "kernel" rows turn it on.
 DECODE_KERNEL = False
 DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" (`decode_splits`) or an int
 
@@ -177,8 +178,8 @@ def bf16_halves(x):
 
 def decode_unsupported(q_shape, pages_shape, pages_dtype, v_dim) -> str | None:
     """Why the decode kernel does not take these shapes (None: it does). It needs bf16 pages; C x H rows
-    within `DECODE_MAX_ROWS` unless `PREFILL_KERNEL`; Dk a multiple of 64 and v_dim of 128, at most Dk; pages of a size that divides
-    or is divided by `DECODE_BLOCK`."""
+    within `DECODE_MAX_ROWS` unless `PREFILL_KERNEL`; Dk a multiple of 64 and v_dim of 128, at most Dk; pages of
+    a size that divides or is divided by `DECODE_BLOCK`."""
     _, C, H, Dk = q_shape
     ps = pages_shape[2]
     if jnp.dtype(pages_dtype) != jnp.bfloat16:
