@@ -363,7 +363,7 @@ def main(argv=None):
           f"{'step_ms':>8} {'tok/s':>9}"
           "  kda_ms  mla_ms  moe_ms  lm_head  other"
           "   (device ms/step)  temp MB  copy MB (entry + loop bodies, once a trip)")
-    # the MLA form's letter (kernel, p = kernel_prefill, blocked, dense) and the blocked form's key blocks'
+    # the MLA form's letter (kernel, p = kernel_prefill, blocked, dense) and the blocked form's key blocks
     mla_tag = lambda r: ("p" if r.get("mla_form") == "kernel_prefill" else r.get("mla_form", "dense")[0]) + \
         r.get("mla_blocks", "-")[0]
     for r in res["results"]:

@@ -10,7 +10,7 @@ import inspect
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-SMS = 132  # streaming multiprocessors of an H100 / H200: the CTA counts the grids aim at
+SMS = 132  # streaming multiprocessors of an H100 / H200: a grid of fewer CTAs leaves SMs idle
 WGMMA = plgpu.Layout.WGMMA
 ROW = plgpu.Layout.WGMMA.reduce(1)  # [M] vector along the rows of a WGMMA tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # [N] vector along the columns

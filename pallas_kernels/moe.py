@@ -55,7 +55,6 @@ def tiles(K: int, N: int) -> bool:
 def _tile_cols(NB: int, N: int) -> int:
     """N tile: 128 columns, or 64 where the grid would be under two CTAs per SM at 128 (a decode step's
     few blocks: more CTAs stream the weights)."""
-
     return 128 if N % 128 == 0 and NB * (N // 128) >= 2 * SMS else 64
 
 
@@ -73,14 +72,12 @@ def fixed_k_splits(K: int, N: int) -> int:
     N tiles (`fixed_tile_cols`) up to one CTA an SM. At batch <= 64 a projection is one row block, so
     without a split a [7168, 1536] weight streams through 12 CTAs (a tenth of an H100's bandwidth, device
     call 24); with it, 8 splits of 14 steps, 96 CTAs."""
-
     nk, want = K // BK, -(-SMS // (N // fixed_tile_cols(N)))
     return max(d for d in range(1, nk + 1) if d == 1 or (nk % d == 0 and d <= want and nk // d >= MIN_SPLIT_STEPS))
 
 
 def _grouped_matmul_mgpu(x, w, block_expert, used_blocks, *, bn: int, stages: int, splits: int, interpret: bool):
     """-> [splits, M, N] f32: each K range's partial products."""
-
     M, K = x.shape
     N = w.shape[-1]
     NB, nk = M // BLOCK_ROWS, K // BK // splits  # nk: the K steps of one split

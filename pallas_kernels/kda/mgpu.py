@@ -215,9 +215,6 @@ def step_vt(layout, V):
     return min(max(_COLWARP.get(layout or STEP_LAYOUT, (0, (64,)))[1]), V)
 
 
-# SMs of an H100 / H200: a grid of fewer CTAs leaves SMs idle (decode's tiles, the inter kernel's vt)
-
-
 def decode_vt(N, HV, V, layout=None):
     """decode's V tile width when not given: 32 in the "colwarp8" layout (its only width); in
     "colwarp", 32 while the 32-wide one-tile grid (N x HV x V / 32 CTAs) fits in one CTA per SM (its
