@@ -651,7 +651,7 @@ async def serve(args, make_llm=None) -> int:
     hk = asyncio.ensure_future(housekeeping())
     await stop_task
     n = len(servicer.active)
-    log.info("draining: %d open stream(s), timeout %.1f s; new calls get UNAVAILABLE", n, args.drain_timeout)
+    log.info("draining: %d open stream(s), timeout %g s; new calls get UNAVAILABLE", n, args.drain_timeout)
     servicer.draining = True
     metrics.ready.set(0)
     await health_servicer.enter_graceful_shutdown()

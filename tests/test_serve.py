@@ -551,7 +551,9 @@ def test_sigterm_drain_timeout_cancels_open_streams(reference, reference_llm, ca
     server exits 0. In this process, over the already compiled reference LLM (serve()'s make_llm hook)."""
     from serve.server import build_parser, serve
 
-    args = build_parser().parse_args(["--model", "k3-tiny", "--port", "0", "--drain-timeout", "0.5",
+    # The drain timeout is far shorter than the stream's remaining ~149 tokens take on any machine (the
+    # CPU decodes k3-tiny at a few ms a token; with 0.5 s a fast CI run once finished the stream inside it).
+    args = build_parser().parse_args(["--model", "k3-tiny", "--port", "0", "--drain-timeout", "0.05",
                                       *SERVER_FLAGS[SERVER_FLAGS.index("--single-bucket"):]])
     caplog.set_level(logging.INFO, logger="k3jax.serve")
 
