@@ -421,7 +421,7 @@ def mla_decode_mgpu(q, q_pos, page_rows, pages, kv_len, *, layer, scale, v_dim, 
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name="mla_decode_mgpu" + ("_packed" if packed else "") + ("_2wg" if wgs == 2 else ""),
-        **({"interpret": gpu_interpret_params()} if interpret else {}),
+        **({"interpret": gpu_interpret_params(wgs)} if interpret else {}),
     )
     o, lse = f(*q_in, lim, nblk, page_rows, pages)
     lse = lse[:, :, 0, :RR]

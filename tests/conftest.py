@@ -8,7 +8,9 @@ blocks a client pool thread inside every collective it waits in: with 8 devices 
 a sharded step (measured), 10 and more do not. More intra-op threads than cores cost time, though: on
 the 2-core CI machine the tests/test_engine.py page-size-16 identity test takes 78 s with 12 and 104 s
 with 32, the three tests/test_sharding_engine.py mesh tests 92 s with 12 and 346 s with 32. Subprocesses
-that need one device (the CLI, the server, the notebook kernel) drop both settings.
+that need one device (the CLI, the server, the notebook kernel) drop both settings. Mosaic GPU interpret
+mode runs a two-warpgroup kernel as two threads on the pool, which hangs with fewer than 3
+(`pallas_kernels.mgpu_common.gpu_interpret_params`).
 
 Compiled programs go to a persistent compilation cache private to this session (deleted at exit): a
 later module that builds an engine with the same shapes as an earlier one (tests/test_engine.py's

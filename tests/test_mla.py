@@ -182,9 +182,10 @@ def test_decode_kernel_equals_the_reference(C, H, ps, P, splits, packed):
 
 
 @pytest.mark.parametrize("C,H,ps,P,splits,packed", [(1, 4, 16, 6, 1, True), (3, 4, 64, 2, 3, False)])
-def test_decode_kernel_on_two_warpgroups(C, H, ps, P, splits, packed):
+def test_decode_kernel_on_two_warpgroups(C, H, ps, P, splits, packed, monkeypatch):
     """Both value halves in one CTA, a warpgroup each, sharing q and the key ring (the leader loads; a slot is
-    refilled once both have released it): the same result as the reference."""
+    refilled once both have released it): the same result as the reference. Interpret mode runs the warpgroups as
+    two threads on XLA:CPU's pool: a pool of fewer than 3 (it can hang) is named in an error."""
     args = kernel_case(4, C, H, ps, P, seed=3)
     kw = dict(layer=1, scale=KDK ** -0.5, v_dim=KVD)
     want = np.asarray(mla.mla_paged_attention_ref(*args, **kw))
@@ -192,6 +193,12 @@ def test_decode_kernel_on_two_warpgroups(C, H, ps, P, splits, packed):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="warpgroups"):
         mla.mla_decode_mgpu(*args, warpgroups=3, interpret=True, **kw)
+    from pallas_kernels import mgpu_common
+
+    assert mgpu_common.cpu_pool_threads() >= 8  # conftest: PJRT_NPROC 12, 8 host devices
+    monkeypatch.setattr(mgpu_common, "cpu_pool_threads", lambda: 2)  # a 2-core machine's default
+    with pytest.raises(ValueError, match="PJRT_NPROC=3"):
+        mla.mla_decode_mgpu(*args, splits=splits, packed=packed, warpgroups=2, interpret=True, **kw)
 
 
 def test_decode_kernel_reads_only_the_blocks_it_needs():
