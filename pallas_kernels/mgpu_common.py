@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SMS = 132  # streaming multiprocessors of an H100 / H200: a grid of fewer CTAs leaves SMs idle
@@ -38,8 +39,6 @@ def bf16_tiled(cols, max_swizzle=128):
 
 def cpu_pool_threads() -> int:
     """XLA:CPU's client thread pool: `PJRT_NPROC`, else the core count, and at least the CPU device count."""
-    import jax
-
     return max(int(os.environ.get("PJRT_NPROC") or 0) or os.cpu_count() or 1, len(jax.devices("cpu")))
 
 
