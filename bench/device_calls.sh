@@ -236,6 +236,13 @@ calls() {
 36 tests/gpu/test_mla_gpu.py alone (~1.5 min) -> tests.txt: the MLA kernel against float64 after the bf16_halves fix.
    Rule: if they pass, DECODE_KERNEL and GPU_KERNELS["mla_paged_attention"] become True (call 31 found the kernel,
    two warpgroups, faster than the blocked form at every shape it measured); then 35 or 33 (prefill)
+37 the MLA kernel as the default (session 28: DECODE_KERNEL, PREFILL_KERNEL and GPU_KERNELS["mla_paged_attention"] on
+   after call 33): tests/gpu/test_engine_gpu.py without the two strict speculative cases (known to part on a GPU
+   without the batch-invariant mode) and the compile-bound "kernel_proj" ones, then k3-mini decode at batch 1, 16,
+   64, 256 x context 1k, Pallas path against XLA path (~9 min) -> tests.txt, k3_mini_h200.json. Prediction: the
+   tests pass (the mode's "kernel" cases run a bf16 k3-tiny, so their MLA goes through the kernel one token a
+   group); Pallas-path steps at 1k within a few % of session 4's H200 rows at batch 1-64 (MLA is ~0.3 ms of a
+   1k step) and ~1-2 ms faster at 256
 34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
    (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
    prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
@@ -447,6 +454,11 @@ case "$1" in
     ;;
 36)
     gpu_tests tests 110 -q tests/gpu/test_mla_gpu.py
+    ;;
+37)
+    gpu_tests tests 270 -v tests/gpu/test_engine_gpu.py -n 4 -k "not kernel_proj and not speculative_on_kernels"
+    step k3_mini_h200 timeout 300 python3 bench/k3_mini_h200.py --batch 1 16 64 256 --impl pallas xla --iters 10 \
+        --profile-steps 2 --out "$OUT/k3_mini_h200.json"
     ;;
 34)
     step serve_k3_mini timeout 540 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 64 \

@@ -35,9 +35,9 @@ GPU_KERNELS = {
     "kda_chunk": True,
     "kda_verify": True,
     "kda_fold": True,
-    # pallas_kernels/mla.py's decode kernel: 4.4x the XLA form on an H100 (session 26, device call 31), whose float64
-    # tests failed there on a since-fixed loss of q's low bf16 half; True once device call 36 passes them
-    "mla_paged_attention": False,
+    # pallas_kernels/mla.py's kernel: decode 4.4x the XLA form on an H100 (session 26, device call 31); float64
+    # tests pass there (session 28, call 33); prefill chunks too: k3-mini 16k prefill 485 -> 311 ms
+    "mla_paged_attention": True,
     # pallas_kernels/moe.py: tests/gpu/test_moe_gpu.py's bf16 cases pass on an H100 (session 19, call 18); k3-mini
     # decode 1.2-1.6x faster than with ragged_dot (which XLA's GPU backend lowers as a dense product)
     "moe_grouped_matmul": True,

@@ -146,17 +146,18 @@ DECODE_PACKED = "auto"
 # 2 (one CTA holds both halves, a warpgroup each, sharing q and the key ring: the keys read once). 2 since
 # device call 31 (session 26, H100): 64 x 16k 0.81 ms against 0.99 on one (packed), 256 x 16k 3.01 against 3.74
 DECODE_WARPGROUPS = 2
-DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel: decode and verify; prefill runs XLA
+DECODE_MAX_ROWS = 128  # query rows (C x H) a group may have for the kernel without PREFILL_KERNEL: decode and verify
 # Whether the kernel also takes prefill chunks (groups of more than DECODE_MAX_ROWS rows, e.g. a 64-token chunk x
 # 12 heads) where DECODE_KERNEL sends decode and verify groups to it. A group's 64-row blocks each stop at their
-# own last visible key (the causal skip); their re-reads of the shared keys are L2 hits. Off until a device call
-# times it against the blocked XLA form (device call 33).
-PREFILL_KERNEL = False
+# own last visible key (the causal skip); their re-reads of the shared keys are L2 hits. On since device call 33
+# (session 28, H100): k3-mini prefill in one step 4k 79.2 -> 72.7 ms, 16k 485 -> 311 (MLA 182 -> 47) against the
+# blocked XLA form.
+PREFILL_KERNEL = True
 # Whether impl "pallas" / "pallas_interpret" run decode and verify groups on the kernel (False: the XLA path, as
-# impl "xla"). False until a device call passes tests/gpu/test_mla_gpu.py's kernel cases (device call 36: call 31
-# ran the kernel 4.4x faster than the XLA form but with q's low half lost, since fixed); the CPU tests and the
-# bench's "kernel" rows turn it on.
-DECODE_KERNEL = False
+# impl "xla"). True since device call 33 (session 28, H100) passed tests/gpu/test_mla_gpu.py's float64 cases after
+# the bf16_halves fix; call 31 ran it 4.4x / 4.9x faster than the blocked XLA form at 64 / 256 x 16k. The model's
+# impl "auto" reaches it only on a Hopper GPU (`dispatch.GPU_KERNELS`); the CPU runs impl "xla".
+DECODE_KERNEL = True
 DECODE_SPLITS = "auto"  # key-range splits a (group, row block) runs in: "auto" (`decode_splits`) or an int
 
 

@@ -240,6 +240,7 @@ def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     XLA path otherwise (f32 pages; a prefill group's rows past DECODE_MAX_ROWS, until PREFILL_KERNEL); DECODE_KERNEL
     False turns it off."""
     monkeypatch.setattr(mla, "DECODE_KERNEL", True)
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", False)
     calls = []
     real = mla.mla_decode_mgpu
     monkeypatch.setattr(mla, "mla_decode_mgpu", lambda *a, **k: calls.append(k["interpret"]) or real(*a, **k))
@@ -261,7 +262,8 @@ def test_pallas_impls_take_the_kernel_where_it_applies(monkeypatch):
     assert calls == [True, True]
 
 
-def test_decode_kernel_names_what_it_does_not_take():
+def test_decode_kernel_names_what_it_does_not_take(monkeypatch):
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", False)  # so a prefill-sized group is refused by its rows
     q, pos, rows, pages, kv_len = kernel_case(2, 1, 4, 16, 3)
     kw = dict(layer=0, scale=0.1, interpret=True)
     for args, v_dim, msg in (((q, pos, rows, pages.astype(jnp.float32), kv_len), KVD, "bfloat16"),
@@ -328,6 +330,7 @@ def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     params = init_params(base, 0)
     prompts = [list(range(100, 171))]  # 71 tokens: contexts of 3 key blocks
     monkeypatch.setattr(mla, "DECODE_KERNEL", True)
+    monkeypatch.setattr(mla, "PREFILL_KERNEL", False)  # decode groups alone first; the prefill chunks below
     real = mla.mla_paged_attention
     rows = []  # the query rows of each call the kernel took
 
