@@ -242,7 +242,18 @@ calls() {
    64, 256 x context 1k, Pallas path against XLA path (~9 min) -> tests.txt, k3_mini_h200.json. Prediction: the
    tests pass (the mode's "kernel" cases run a bf16 k3-tiny, so their MLA goes through the kernel one token a
    group); Pallas-path steps at 1k within a few % of session 4's H200 rows at batch 1-64 (MLA is ~0.3 ms of a
-   1k step) and ~1-2 ms faster at 256
+   1k step) and ~1-2 ms faster at 256. Ran in session 28 (H100, results/session28/): the tests' 270 s limit cut
+   three cases (the mode's "kernel" ones on both paths, then run alone: both pass; "xla-rounds" not run), the
+   other six pass; steps 3.73 / 4.37 / 5.47 / 9.65 ms at batch 1 / 16 / 64 / 256 (XLA path 3.71 / 4.80 / 7.24 /
+   16.88), against session 21's 3.72 / 4.42 / 5.88 / 10.68 with MLA on XLA: 7% faster at 64, 1.0 ms at 256.
+   The tests' bf16 k3-tiny has 80-wide MLA keys, which the kernel does not take: they never reached it (call 38)
+38 tests/gpu/test_mla_gpu.py::test_engine_tokens_with_the_kernel (session 28): the engine's greedy tokens with the
+   MLA attention on the kernel (decode, verify blocks, prefill chunks) against its XLA path, on a bf16 k3-tiny
+   with the kernel's widths (192-wide keys), plain and speculative (~3 min) -> tests.txt. Its first run (session
+   28) stopped in the speculative part on the KDA fold: impl "auto" sent k3-tiny's 32-wide keys to the fold
+   kernel, which takes multiples of 64 (fixed: `kda.spec.kernel_impl` now rules for the fold too); the rerun hit
+   its 150 s limit. Prediction: passes. Rule: if it fails, the tokens' first difference and margin decide
+   (DESIGN.md section 4) whether DECODE_KERNEL stays the default
 34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
    (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
    prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
@@ -454,6 +465,9 @@ case "$1" in
     ;;
 36)
     gpu_tests tests 110 -q tests/gpu/test_mla_gpu.py
+    ;;
+38)
+    gpu_tests tests 400 -q tests/gpu/test_mla_gpu.py::test_engine_tokens_with_the_kernel --durations=3
     ;;
 37)
     gpu_tests tests 270 -v tests/gpu/test_engine_gpu.py -n 4 -k "not kernel_proj and not speculative_on_kernels"

@@ -316,10 +316,19 @@ def test_decode_kernel_lowers_for_cuda(monkeypatch):
 
 def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     """The engine's greedy tokens with the MLA decode and verify groups on the kernel (interpret mode; everything
-    else on the XLA path) equal those without it, on a bf16 k3-tiny with the kernel's widths (192-wide keys:
-    latent 128 + rope 64): the engine's padded decode rows and page tables through the kernel, and speculative
-    verify blocks (5 queries a group) drafted by an oracle that is partly right, with the prefill chunks on the
-    kernel as well (`PREFILL_KERNEL`)."""
+    else on the XLA path) equal those without it (`engine_tokens_with_the_kernel`; tests/gpu runs the same on a
+    GPU)."""
+    engine_tokens_with_the_kernel(monkeypatch, "pallas_interpret")
+
+
+def engine_tokens_with_the_kernel(monkeypatch, kernel_impl, spec_against_plain=True):
+    """On a bf16 k3-tiny with the kernel's widths (192-wide keys: latent 128 + rope 64), the engine's greedy tokens
+    with the MLA attention on the kernel (impl `kernel_impl`) equal those with its XLA path: the engine's padded
+    decode rows and page tables through the kernel, and speculative verify blocks (5 queries a group) drafted by an
+    oracle that is partly right, with the prefill chunks on the kernel as well (`PREFILL_KERNEL`). The speculative
+    tokens are checked against plain decoding's, or with `spec_against_plain=False` against the same speculative
+    run on the XLA path (on a GPU the default engine's speculative tokens may part from plain decoding's through
+    GEMM row-count noise, which only the batch-invariant mode closes: tests/gpu/test_engine_gpu.py)."""
     from k3jax import LLM, SamplingParams
     from k3jax.api import Model
     from k3jax.config import preset
@@ -338,7 +347,7 @@ def test_engine_tokens_with_the_decode_kernel(monkeypatch):
         def attend(*a, impl, **k):
             if kernel and mla.decode_supported(a[0].shape, a[3].shape, a[3].dtype, k["v_dim"]):
                 rows.append(a[0].shape[1])
-            return real(*a, impl="pallas_interpret" if kernel else impl, **k)
+            return real(*a, impl=kernel_impl if kernel else "xla", **k)
 
         monkeypatch.setattr(mla, "mla_paged_attention", attend)
         llm = LLM(Model(base.replace(name=name), params, None), page_size=16, max_running=2, max_seq_len=128,
@@ -356,4 +365,6 @@ def test_engine_tokens_with_the_decode_kernel(monkeypatch):
     monkeypatch.setattr(mla, "PREFILL_KERNEL", True)  # and the prefill chunks (64 tokens a group) on it too
     got, stats = run("k3-tiny-mla-kernel-spec", True, speculative=oracle, num_draft_tokens=4)
     assert {5, 64} <= set(rows) and stats["spec_accepted"] > 0  # verify blocks of 1 + 4 queries a group, prefill
+    if not spec_against_plain:
+        want, _ = run("k3-tiny-mla-xla-spec", False, speculative=oracle, num_draft_tokens=4)
     assert got == want

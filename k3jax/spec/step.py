@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from k3jax.model.forward import forward_verify, step_numerics
 from k3jax.sampling import sample, spec_accept
 from k3jax.state import restore_checkpoints, snapshot_slots
-from pallas_kernels.dispatch import resolve_impl
-from pallas_kernels.kda.spec import Capture, kda_fold
+from pallas_kernels.kda.spec import Capture, kernel_impl, kda_fold
 from pallas_kernels.kda.spec_kernels import fold_pool
 
 
@@ -51,7 +50,8 @@ def fold_blocks(state, captures, slots, n_keep, snap_at, snap_dst, impl="xla", s
         return state
     dst = jnp.where((snap_at > 0) & (snap_at <= n_keep), snap_dst, 0)
     fields = ("k", "v", "g", "beta")
-    kern = resolve_impl(impl, "kda_fold")
+    # "auto" takes the kernel only for the shapes it runs (K and V multiples of 64), as verify does
+    kern = kernel_impl(impl, "kda_fold", captures[0].core.k.shape[-1], captures[0].core.v.shape[-1])
     if kern != "xla" and shard is None and rec.in_place:
         cap = Capture(*(_stack([getattr(c.core, f) for c in captures]) for f in fields))  # [D, L, B, H, X]
         rec = dataclasses.replace(rec, ssm=fold_pool(rec.ssm, slots, cap, n_keep, snap_at, dst, impl=kern))

@@ -46,7 +46,7 @@ class Capture:
     beta: jax.Array  # f32[..., T, HV]
 
 
-def _kernel_impl(impl, op, K, V, empty=False):
+def kernel_impl(impl, op, K, V, empty=False):
     """impl -> "xla" | "pallas" | "pallas_interpret" ("auto": the Mosaic GPU kernel where it runs;
     empty, no sequences or no steps: "xla", nothing to launch)."""
     auto = impl == "auto"
@@ -64,7 +64,7 @@ def kda_verify(q, k, v, g, beta, S0, *, scale=None, impl="xla"):
     or "auto" (`pallas_kernels.dispatch`); the kernels are in `spec_kernels.py`."""
     (N, _), _, HV, K, V = checks.tokens("kda_verify", q, k, v, g, beta, lead=2)
     checks.states("kda_verify", "S0", S0, (N, HV, K, V))
-    impl = _kernel_impl(impl, "kda_verify", K, V, empty=not q.size)
+    impl = kernel_impl(impl, "kda_verify", K, V, empty=not q.size)
     if impl != "xla":
         from pallas_kernels.kda import spec_kernels
 
@@ -94,7 +94,7 @@ def kda_fold(S0, cap: Capture, n_keep, snap_at=None, *, impl="xla"):
     checks.capture("kda_fold", cap, S0.shape[:-3], *S0.shape[-3:])
     for name, x in (("n_keep", n_keep), ("snap_at", snap_at)):
         checks.per_sequence("kda_fold", name, x, S0.shape[0])
-    impl = _kernel_impl(impl, "kda_fold", S0.shape[-2], S0.shape[-1], empty=not cap.beta.size)
+    impl = kernel_impl(impl, "kda_fold", S0.shape[-2], S0.shape[-1], empty=not cap.beta.size)
     if impl != "xla":
         from pallas_kernels.kda import spec_kernels
 

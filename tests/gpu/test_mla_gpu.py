@@ -6,7 +6,8 @@ compiled temporaries against the dense form's. Bit equality of "static" and "nee
 batch-invariant mode relies on (device call 30 times the two). The decode kernel (`mla.mla_decode_mgpu`) against
 the same reference for decode (1 query a group) and verify (8 queries: two row blocks of 64 rows), with and
 without key-range splits, and prefill chunks (64 queries a group: 12 row blocks, `PREFILL_KERNEL`), and a
-NaN-poisoned page past a group's last visible block left unread."""
+NaN-poisoned page past a group's last visible block left unread; and the engine's greedy tokens with the kernel
+against those with the XLA path."""
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import mla  # noqa: E402
-from tests.test_mla import compiled_temps  # noqa: E402
+from tests.test_mla import compiled_temps, engine_tokens_with_the_kernel  # noqa: E402
 from tests.test_mla import test_bf16_halves_carry_17_bits as _bf16_halves_checks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -126,3 +127,10 @@ def test_decode_kernel_reads_only_the_blocks_it_needs():
         f = jax.jit(lambda pages: mla.mla_decode_mgpu(q, pos, rows, pages, kv_len, layer=1, scale=SCALE, v_dim=VD,
                                                       packed=packed, warpgroups=wgs))
         np.testing.assert_array_equal(np.asarray(f(poisoned)), np.asarray(f(pages)))
+
+
+def test_engine_tokens_with_the_kernel(monkeypatch):
+    """tests/test_mla.py's engine check on the GPU (the kernel compiled, not interpreted; k3-tiny's widths made
+    the kernel's, which tests/gpu/test_engine_gpu.py's k3-tiny lacks): the greedy tokens with the MLA attention
+    on the kernel, for decode, verify and prefill groups, equal those with the XLA path in the same engine."""
+    engine_tokens_with_the_kernel(monkeypatch, "pallas", spec_against_plain=False)
