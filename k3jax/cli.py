@@ -53,6 +53,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="sampling seed for reproducible output (default: a fresh random seed per run)")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop after the token that completes STR (repeatable; the stop string is printed; default: none)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
+                   help="stop after token ID (repeatable; the token is printed; default: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the model's EOS token, up to --max-new-tokens (default: stop at EOS)")
     g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per MLA KV-cache page (default: %(default)s)")
     g.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens processed per prefill step (default: %(default)s)")
@@ -82,7 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop)
+                              top_k=args.top_k, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id,
+                              ignore_eos=args.ignore_eos)
     try:
         sampling.validate()
     except ValueError as e:

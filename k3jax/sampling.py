@@ -35,6 +35,8 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0: off
     seed: int | None = None  # None: a random seed per request
     stop: str | list[str] | None = None  # stop after the token that completes any of these strings
+    stop_token_ids: list[int] | None = None  # stop after any of these tokens (finish_reason "stop"; kept in the output)
+    ignore_eos: bool = False  # generate past the model's EOS token (fixed output lengths, as benchmarks want)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -69,7 +71,26 @@ class SamplingParams:
                 raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
         if any(s == "" for s in self.stop_strings):
             raise ValueError("stop strings must not be empty")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids)):
+            raise ValueError(f"stop_token_ids must be None or a list of integer token ids, got {ids!r}")
+        bad = sorted({int(t) for t in ids or () if t < 0 or (vocab_size is not None and t >= vocab_size)})
+        if bad:
+            bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"stop_token_ids: unknown token ids {bad[:5]} (ids lie in {bound})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         return self
+
+    def token_stop(self, token: int, eos_token_id: int | None) -> str | None:
+        """Whether emitting `token` ends the request, by the token alone: "eos" (the model's EOS, unless
+        `ignore_eos`), "stop" (one of `stop_token_ids`), else None. Stop strings (they need the detokenized text)
+        and `max_new_tokens` are the caller's, checked after this."""
+        if eos_token_id is not None and token == eos_token_id and not self.ignore_eos:
+            return "eos"
+        if self.stop_token_ids and token in self.stop_token_ids:
+            return "stop"
+        return None
 
 
 def resolve_seed(seed: int | None) -> int:

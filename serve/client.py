@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finish after the token that completes STR (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
                    help="finish after token ID (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="generate past the model's EOS token, up to --max-new-tokens (default: stop at EOS)")
     g.add_argument("--request-id", default="", metavar="ID", help="request id (default: assigned by the server)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to a text prompt (default: off)")
     out = g.add_mutually_exclusive_group()
@@ -157,6 +159,7 @@ def _generate(args, channel) -> int:
             setattr(req.sampling, f, v)
     req.stop.extend(args.stop)
     req.stop_token_ids.extend(args.stop_token_id)
+    req.ignore_eos = args.ignore_eos
 
     from google.protobuf import json_format
 

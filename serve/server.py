@@ -235,7 +235,7 @@ class GenerationServicer:
 
     # ---- request parsing ----------------------------------------------------------------------
     def parse(self, req, text_ids: list[int] | None = None):
-        """(prompt ids, SamplingParams, stop token ids) of a GenerateRequest; RequestError names the field.
+        """(prompt ids, SamplingParams) of a GenerateRequest; RequestError names the field.
         `text_ids`: the text prompt, already tokenized."""
         from k3jax.sampling import SamplingParams
 
@@ -284,17 +284,14 @@ class GenerationServicer:
         stop = list(req.stop)
         if any(not x for x in stop):
             raise _invalid("stop: stop strings must not be empty")
-        stop_ids = set(req.stop_token_ids)
-        bad = sorted(t for t in stop_ids if not 0 <= t < vocab)
-        if bad:
-            raise _invalid(f"stop_token_ids: unknown token ids {bad[:5]} (ids lie in [0, {vocab}))")
         sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=s.seed if s.HasField("seed") else None, stop=stop or None)
+                                  seed=s.seed if s.HasField("seed") else None, stop=stop or None,
+                                  stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos)
         try:
-            sampling.validate(vocab)
+            sampling.validate(vocab)  # stop_token_ids; the fields above are checked with their proto names
         except ValueError as e:
-            raise _invalid(f"sampling: {e}") from None
-        return ids, sampling, stop_ids
+            raise _invalid(str(e)) from None
+        return ids, sampling
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def _refuse(self, context, err: RequestError, rid: str = ""):
@@ -324,7 +321,7 @@ class GenerationServicer:
             tok = self.llm.model.tokenizer
             if request.WhichOneof("prompt") == "text" and len(request.text) > _BIG_TEXT and tok is not None:
                 text_ids = await asyncio.to_thread(tok.encode, request.text, add_bos=request.add_bos)  # off the loop
-            ids, sampling, stop_ids = self.parse(request, text_ids)
+            ids, sampling = self.parse(request, text_ids)
             try:
                 self.engine.add_request(ids, sampling, rid)
             except ValueError as e:
@@ -338,9 +335,9 @@ class GenerationServicer:
             return
         self.active[rid] = t0
         log.debug("request %s: %d prompt tokens, max_new_tokens %d", rid, len(ids), sampling.max_new_tokens)
-        await self._stream(rid, ids, stop_ids, t0, context)
+        await self._stream(rid, ids, t0, context)
 
-    async def _stream(self, rid, ids, stop_ids, t0, context):
+    async def _stream(self, rid, ids, t0, context):
         from k3jax.tokenizer import IncrementalDecoder
 
         tok = self.llm.model.tokenizer
@@ -353,13 +350,6 @@ class GenerationServicer:
                 toks = list(delta.token_ids)
                 reason = delta.finish_reason if delta.finished else None
                 output = delta.output
-                if stop_ids:
-                    hit = next((i for i, t in enumerate(toks) if t in stop_ids), None)
-                    if hit is not None:
-                        toks, reason = toks[: hit + 1], "stop"
-                        if not delta.finished:  # finish it in the engine; its final delta has the usage
-                            self.engine.abort(rid)
-                            output = await _final_output(stream)
                 text = "".join(detok.push(t) for t in toks) if detok is not None else ""
                 if reason is not None and detok is not None:
                     text += detok.flush()
@@ -428,7 +418,7 @@ class GenerationServicer:
         lim.max_queued_requests, lim.max_message_bytes = a.max_queued_requests, a.max_message_bytes
         lim.prefill_chunk, lim.page_size = a.prefill_chunk, a.page_size
         f = info.features
-        f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = True
+        f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = True
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
         if request.check_invariants and not a.debug_invariants:
@@ -478,18 +468,6 @@ class GenerationServicer:
             info.invariants.ok = err is None
             info.invariants.error = err or ""
         return info
-
-
-async def _final_output(stream, timeout: float = 30.0):
-    """Consume an aborted request's stream up to its final delta; its RequestOutput (None on timeout)."""
-    async def final():
-        async for d in stream:
-            if d.finished:
-                return d.output
-    try:
-        return await asyncio.wait_for(final(), timeout)
-    except asyncio.TimeoutError:
-        return None
 
 
 # ---- API key ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 Marconi branch points, tombstones, memory pressure (eviction, preemption, abort), streaming."""
 
 import asyncio
+import dataclasses
 import itertools
 
 import numpy as np
@@ -123,11 +124,10 @@ def test_abort_frees_everything(model):
     assert core.scheduler.pages.free_count + core.scheduler.tree.num_pages == core.scheduler.pages.capacity
 
 
-def test_stop_conditions_and_streaming(model, reference):
+def test_stop_conditions_and_streaming(model, reference, monkeypatch):
     llm = LLM(model, page_size=16, **ENGINE_KW)
     phase1, _ = workload()
     ref = reference[0]
-    # a stop token id via EOS is model-specific; use max tokens and a stop string from the text
     full = llm.generate([phase1[0]], SP)[0]
     assert full.token_ids == ref and full.finish_reason == "length"
     deltas = list(llm.stream(phase1[0], SP))
@@ -136,6 +136,22 @@ def test_stop_conditions_and_streaming(model, reference):
     assert "".join(d.text for d in deltas) == deltas[-1].output.text
     short = llm.generate([phase1[0]], SamplingParams(max_new_tokens=3))[0]
     assert short.token_ids == ref[:3] and short.finish_reason == "length"
+    # a stop token id: the output ends at its first occurrence, the token included; the single-request loop agrees
+    stop = ref[3]
+    want = ref[: ref.index(stop) + 1]
+    sp = dataclasses.replace(SP, stop_token_ids=[stop])
+    out = llm.generate([phase1[0]], sp)[0]
+    assert out.token_ids == want and out.finish_reason == "stop"
+    stats = {}
+    assert list(generate_stream(model, phase1[0], sp, prefill_chunk=128, max_seq_len=512, stats=stats)) == want
+    assert stats["finish_reason"] == "stop"
+    # the model's EOS (here made a token of the greedy output): the request ends there, unless ignore_eos
+    monkeypatch.setattr(llm.core.scheduler, "cfg", dataclasses.replace(llm.core.scheduler.cfg, eos_token_id=stop))
+    out = llm.generate([phase1[0]], SP)[0]
+    assert out.token_ids == want and out.finish_reason == "eos"
+    out = llm.generate([phase1[0]], dataclasses.replace(SP, ignore_eos=True))[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+    llm.check_invariants()
 
 
 def test_bad_requests_are_rejected_cleanly(model):

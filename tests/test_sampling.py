@@ -112,6 +112,11 @@ def test_empirical_distribution_matches_softmax():
     (dict(seed=1.5), "seed"),
     (dict(stop=[1, 2]), "stop"),
     (dict(stop=""), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[1, "2"]), "stop_token_ids"),
+    (dict(stop_token_ids=[1, True]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(ignore_eos=1), "ignore_eos"),
 ])
 def test_validate_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -126,3 +131,16 @@ def test_validate_accepts_defaults_and_checks_vocab():
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=1000).validate(vocab_size=512)
     assert SamplingParams(stop="x").stop_strings == ("x",)
+    SamplingParams(stop_token_ids=[0, 511], ignore_eos=True).validate(512)
+    with pytest.raises(ValueError, match=r"stop_token_ids: unknown token ids \[512\]"):
+        SamplingParams(stop_token_ids=[3, 512]).validate(vocab_size=512)
+
+
+def test_token_stop():
+    """The stop conditions a token decides alone: the model's EOS (unless ignore_eos), then a stop token id."""
+    assert SamplingParams().token_stop(7, eos_token_id=7) == "eos"
+    assert SamplingParams().token_stop(7, eos_token_id=None) is None
+    assert SamplingParams(ignore_eos=True).token_stop(7, eos_token_id=7) is None
+    assert SamplingParams(ignore_eos=True, stop_token_ids=[7]).token_stop(7, eos_token_id=7) == "stop"
+    assert SamplingParams(stop_token_ids=[3, 9]).token_stop(9, eos_token_id=7) == "stop"
+    assert SamplingParams(stop_token_ids=[3, 9]).token_stop(4, eos_token_id=7) is None

@@ -230,6 +230,7 @@ def test_model_info(server):
     assert (i.limits.max_seq_len, i.limits.max_new_tokens, i.limits.max_running) == (256, 255, 8)
     assert i.limits.max_message_bytes == MAX_MSG and i.limits.kv_pages > 0 and i.limits.state_slots > 0
     assert i.features.text_prompts and i.features.stop_token_ids and i.features.prefix_cache and i.features.overlap
+    assert i.features.ignore_eos
     assert not i.HasField("invariants")
 
 
@@ -273,14 +274,18 @@ def test_64_concurrent_streams(server, reference):
 
 
 def test_stop_token_ids(server, reference):
+    """A stop token id ends the stream at its first occurrence (the engine stops the request there), with
+    ignore_eos set or not (the server's model never reaches its EOS in these prompts)."""
+    assert reference[1].finish_reason == "length"  # no EOS in the reference: ignore_eos changes nothing here
     ref = reference[1].token_ids
     stop = ref[2]
     want = ref[: ref.index(stop) + 1]
     with grpc.insecure_channel(server.target) as ch:
-        toks, _, last = collect(pb.GenerationStub(ch).Generate(request(PROMPTS[1], stop_token_ids=[stop]), metadata=MD,
-                                                               timeout=120))
-    assert toks == want
-    assert last.finish_reason == pb.FINISH_REASON_STOP and last.usage.completion_tokens == len(want)
+        for ignore_eos in (False, True):
+            req = request(PROMPTS[1], stop_token_ids=[stop, stop], ignore_eos=ignore_eos)
+            toks, _, last = collect(pb.GenerationStub(ch).Generate(req, metadata=MD, timeout=120))
+            assert toks == want
+            assert last.finish_reason == pb.FINISH_REASON_STOP and last.usage.completion_tokens == len(want)
     assert_clean(server.target)
 
 
@@ -465,7 +470,7 @@ def test_client_cli(server, reference, capsys):
     assert main(["--target", server.target, "health"]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
     ids = ",".join(map(str, PROMPTS[0]))
-    assert main(base + ["generate", "--token-ids", ids, "--max-new-tokens", str(MNT), "--ids"]) == 0
+    assert main(base + ["generate", "--token-ids", ids, "--max-new-tokens", str(MNT), "--ids", "--ignore-eos"]) == 0
     out = capsys.readouterr()
     assert [int(t) for t in out.out.split()] == reference[0].token_ids
     assert "length" in out.err and f"generated {MNT}" in out.err

@@ -450,12 +450,11 @@ class Scheduler:
         req.metrics.setdefault("first_token", time.perf_counter())
         if req.detok is not None:
             req.text += req.detok.push(tok)
-        reason = None
-        if self.cfg.eos_token_id is not None and tok == self.cfg.eos_token_id:
-            reason = "eos"
-        elif req.sampling.stop_strings and any(s in req.text[-(len(s) + 64):] for s in req.sampling.stop_strings):
+        sp = req.sampling
+        reason = sp.token_stop(tok, self.cfg.eos_token_id)
+        if reason is None and sp.stop_strings and any(s in req.text[-(len(s) + 64):] for s in sp.stop_strings):
             reason = "stop"
-        elif len(req.output) >= req.sampling.max_new_tokens:
+        if reason is None and len(req.output) >= sp.max_new_tokens:
             reason = "length"
         if reason is None:
             return False

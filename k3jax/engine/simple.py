@@ -27,9 +27,10 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
                     max_seq_len: int | None = None) -> Iterator[int]:
     """Yield the generated token ids of one request as they are sampled.
 
-    Stops after `max_new_tokens` tokens, after EOS (yielded), after the token that completes a stop
-    string (yielded), or at the model's context limit. `warmup=True` first runs padding-only steps
-    (they touch only the sinks) so compilation happens before the prompt is processed. `stats`, if
+    Stops after `max_new_tokens` tokens, after EOS (yielded; not with `ignore_eos`), after a stop token
+    id or the token that completes a stop string (yielded), or at the model's context limit.
+    `warmup=True` first runs padding-only steps (they touch only the sinks) so compilation happens
+    before the prompt is processed. `stats`, if
     given, receives `warmup_s`, `prompt_tokens`, `generated_tokens` and `finish_reason`.
     `max_seq_len` fixes every shape (page table width, prefill bucket) so that many requests of
     different lengths share two compiled steps.
@@ -97,8 +98,9 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
         tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None]))[0])
         stats["generated_tokens"] = n + 1
         yield tok
-        if tok == cfg.eos_token_id:
-            stats["finish_reason"] = "eos"
+        reason = sampling.token_stop(tok, cfg.eos_token_id)
+        if reason is not None:
+            stats["finish_reason"] = reason
             return
         if detok is not None:
             new = detok.push(tok)
