@@ -13,8 +13,8 @@ channel each):
 - prompts: token ids; a --shared-prefix-frac share of them starts with one of --num-prefixes
   shared prefixes of --prefix-len tokens (a fresh set per level, so no level reuses another's
   cache); every prompt then has a unique part of log-uniform length in --prompt-len; output
-  lengths are uniform in --output-len (requests may finish earlier on EOS: the model has random
-  weights);
+  lengths are uniform in --output-len, exact: the requests set ignore_eos, so a random-weight model's
+  EOS does not cut them short (--no-ignore-eos lets EOS finish them, as real traffic does);
 - measured per request on the client: TTFT (send -> first streamed token), inter-token latency
   (gap between streamed responses, split evenly over the tokens a response carries, as the server's
   histogram does), TPOT ((e2e - TTFT) / (tokens - 1)), e2e latency, and the client-side queue wait
@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unique prompt tokens per request, log-uniform in [MIN, MAX] (default: 16 256)")
     w.add_argument("--output-len", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"),
                    help="max_new_tokens per request, uniform in [MIN, MAX] (default: 16 32)")
+    w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="requests generate past the model's EOS, so each produces exactly its max_new_tokens "
+                        "(default: on, as benchmarks of random-weight models want; --no-ignore-eos: EOS finishes them)")
     w.add_argument("--shared-prefix-frac", type=float, default=0.5, metavar="F",
                    help="share of requests whose prompt starts with a shared prefix (default: 0.5)")
     w.add_argument("--prefix-len", type=int, default=128, metavar="N",
@@ -227,7 +230,7 @@ def make_level(a, level: int, n: int, rate: float, vocab: int, special: set[int]
 
 
 def gen_request(r: dict, a, rid: str):
-    req = pb.GenerateRequest(request_id=rid, max_new_tokens=r["max_new_tokens"])
+    req = pb.GenerateRequest(request_id=rid, max_new_tokens=r["max_new_tokens"], ignore_eos=a.ignore_eos)
     req.token_ids.ids.extend(r["prompt"])
     req.sampling.temperature = a.temperature
     if a.temperature > 0:
