@@ -254,6 +254,16 @@ calls() {
    kernel, which takes multiples of 64 (fixed: `kda.spec.kernel_impl` now rules for the fold too); the rerun hit
    its 150 s limit. Prediction: passes. Rule: if it fails, the tokens' first difference and margin decide
    (DESIGN.md section 4) whether DECODE_KERNEL stays the default
+39 the dense decode (session 29, `mgpu.decode(slots=None)`: sequence n's state is pool[n], no slot id read
+   before the state's loads, fla's dense job): tests/gpu's dense (bits equal the slot form) and
+   persistent decode cases, then decode at 1 and 64 x 12 and 96 heads, the default (the serving job: a slot
+   read first) and dense against fla's dense and serving forms, kernel time from the profile (~4 min)
+   -> tests.txt, kda_dense.json (then call 38). Prediction: the
+   slot read is what the default pays over fla's dense form at batch 1 (session 20 measured it at +0.56 /
+   +0.88 us for fla's own kernel at 1 x 12 / 1 x 96): dense 1 x 96 ~5.3-5.6 us against fla's dense ~5.4 and the
+   default's ~6.1, 1 x 12 ~2.5-2.7 (default ~2.9); at 64 x 12 within 1% of the default. Rule: if dense is
+   at or below fla's dense kernel time at every shape measured, the decode goal holds in both jobs (ours
+   against fla doing the same work); otherwise the slot read is not the gap, and what is left is named
 34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
    (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
    prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
@@ -468,6 +478,11 @@ case "$1" in
     ;;
 38)
     gpu_tests tests 400 -q tests/gpu/test_mla_gpu.py::test_engine_tokens_with_the_kernel --durations=3
+    ;;
+39)
+    gpu_tests tests 100 -q tests/gpu/test_kda_gpu.py -k "dense_decode or persistent_decode"
+    step kda_dense timeout 300 $K --heads 12 96 --decode-batch 1 64 --variant-batch 1 64 --decode-variants dense \
+        --profile 2 --verify --prefill --breakdown none --out "$OUT/kda_dense.json"
     ;;
 37)
     gpu_tests tests 270 -v tests/gpu/test_engine_gpu.py -n 4 -k "not kernel_proj and not speculative_on_kernels"

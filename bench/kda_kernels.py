@@ -266,6 +266,10 @@ DECODE_VARIANTS = {
     "persistent132": {"vt": 64, "ctas": 132},
     "persistent264": {"vt": 64, "ctas": 264},
     "persistent396": {"vt": 64, "ctas": 396},
+    # the default kernel in the dense form (session 29: `mgpu.decode(slots=None)`): sequence n's state is
+    # pool[n], no slot id read before the state's loads; the job of fla's dense `fused_recurrent_kda` (fla_ms,
+    # fla_kernel_us), where the default's job is the serving form's (fla_pool_ms). One dense pool a call.
+    "dense": {"dense": True},
 }
 
 PREP_VERSION = ("mgpu prep kernel v8 (v7: chunk boxes read straight from the packed tokens, a level's two score "
@@ -536,7 +540,8 @@ def main(argv=None):
                                    "auto_barriers": (mgpu.decode_auto_barriers(kw.get("layout"), 128, vt)
                                                      if kw.get("auto_barriers") is None else kw["auto_barriers"]),
                                    "version": "XLA casts" if kw["xla_casts"] else "v2 (in-kernel casts)",
-                                   "ctas": kw.get("ctas")}}  # None: the grid form; P: the persistent form
+                                   "ctas": kw.get("ctas"),  # None: the grid form; P: the persistent form
+                                   "dense": bool(kw.get("dense"))}}  # True: no slot ids (the pool's first N states)
                 if name != "default":
                     row["variant_row"] = True
                 try:
@@ -552,12 +557,18 @@ def main(argv=None):
                     slot_sets = jnp.arange(NS, dtype=jnp.int32).reshape(sets, N)
                     no_reset = jnp.zeros((N,), bool)
                     R = 16
-                    dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, slot_sets[i % sets], no_reset,
-                                                      layer=0, scale=128**-0.5, **kw)
-                    o, pool_after = jax.jit(lambda p: dec(p, 0))(pool)
+                    dense = kw.pop("dense", False)
+                    dec = lambda pool, i: mgpu.decode(jq, jk, jv, jg, jb, pool, None if dense else slot_sets[i % sets],
+                                                      no_reset, layer=0, scale=128**-0.5, **kw)
+                    if dense:  # one dense pool a call, min(R, sets) of them (as fla's list of h0s)
+                        pool = [pool[i * N:(i + 1) * N] for i in range(min(R, sets))]
+                    o, pool_after = jax.jit(lambda p: dec(p[0] if dense else p, 0))(pool)
+                    if dense:
+                        pool[0] = pool_after
+                        pool_after = pool
                     if o_fla is not None:
                         row["rel_err_o_vs_fla"] = rel(o, t2j(o_fla[:, 0].float()))
-                        row["rel_err_state_vs_fla"] = rel(pool_after[:N, 0], t2j(ht_fla))
+                        row["rel_err_state_vs_fla"] = rel((pool_after[0] if dense else pool_after)[:N, 0], t2j(ht_fla))
                     if "o" in fpool:
                         row["rel_err_o_vs_fla_pool"] = rel(o, t2j(fpool["o"]))
                     row.update({kk: vv for kk, vv in fpool.items() if kk != "o"})
@@ -568,19 +579,22 @@ def main(argv=None):
 
                     def steps(pool):
                         for i in range(R):
-                            o, pool = dec(pool, i)
+                            if dense:
+                                o, pool[i % len(pool)] = dec(pool[i % len(pool)], i)
+                            else:
+                                o, pool = dec(pool, i)
                         return o, pool
 
                     steps = jax.jit(steps, donate_argnums=0)
                     box = {"pool": pool_after}
-                    ptr0 = box["pool"].unsafe_buffer_pointer()
+                    ptr0 = (box["pool"][0] if dense else box["pool"]).unsafe_buffer_pointer()
 
                     def run():
                         o, box["pool"] = steps(box["pool"])
                         return (o, box["pool"]), R
 
                     ours = jax_ms(run)
-                    row["in_place"] = box["pool"].unsafe_buffer_pointer() == ptr0
+                    row["in_place"] = (box["pool"][0] if dense else box["pool"]).unsafe_buffer_pointer() == ptr0
                     row.update(ours_ms=ours, fla_ms=fla_ms, bandwidth_frac=state_bytes / (ours * 1e-3) / 1e9 / copy_gbps,
                                fla_bandwidth_frac=None if fla_ms is None else state_bytes / (fla_ms * 1e-3) / 1e9 / copy_gbps)
                     if args.profile:

@@ -416,6 +416,31 @@ def test_decode_kernel_in_interpret_mode(vt, tiles, auto_barriers, ctas):
     np.testing.assert_array_equal(np.asarray(p)[:, 0], np.asarray(pool)[:, 0])
 
 
+def test_dense_decode_in_interpret_mode():
+    """`mgpu.decode(slots=None)`, the dense form the bench times against fla's dense decode: sequence n
+    steps pool[n] (the slot form's result with slots 0..N-1, bit for bit), the pool's other rows and
+    layers untouched; the form refuses a pool with fewer than N slots and the persistent form."""
+    from pallas_kernels.kda import mgpu
+
+    rng = np.random.default_rng(5)
+    N, H, HV, K, V = 2, 1, 2, 64, 64
+    q, k, v, g, beta = inputs(rng, (N,), H, HV, K, V)
+    pool = jnp.asarray(rng.normal(size=(3, 2, HV, K, V)) * 0.05, jnp.float32)
+    reset = jnp.asarray([False, True])
+    kw = dict(layer=1, scale=K**-0.5, api="scatter", interpret=True)
+    o_d, p_d = mgpu.decode(q, k, v, g, beta, pool, None, reset, **kw)
+    o_s, p_s = mgpu.decode(q, k, v, g, beta, pool, jnp.arange(N, dtype=jnp.int32), reset, **kw)
+    np.testing.assert_array_equal(np.asarray(o_d), np.asarray(o_s))
+    np.testing.assert_array_equal(np.asarray(p_d), np.asarray(p_s))
+    assert not np.array_equal(np.asarray(p_d[:N, 1]), np.asarray(pool[:N, 1]))
+    np.testing.assert_array_equal(np.asarray(p_d)[N:], np.asarray(pool)[N:])
+    np.testing.assert_array_equal(np.asarray(p_d)[:, 0], np.asarray(pool)[:, 0])
+    with pytest.raises(ValueError, match="pool of >= N = 2 slots"):
+        mgpu.decode(q, k, v, g, beta, pool[:1], None, reset, **kw)
+    with pytest.raises(ValueError, match="grid form only"):
+        mgpu.decode(q, k, v, g, beta, pool, None, reset, ctas=2, **kw)
+
+
 def test_decode_tiles_rule():
     """decode's default V tiles per CTA: two while the one-tile grid is one to two CTAs per SM (133 to
     264), where V holds two tiles, else one; 32-wide tiles while that grid fits in one CTA per SM; the

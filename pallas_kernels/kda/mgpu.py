@@ -253,6 +253,9 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
            read_only_wait=False, layout=None, auto_barriers=None, ctas=None, interpret=False):
     """q, k [N, H, K]; v [N, HV, V]; g [N, HV, K]; beta [N, HV]; pool [S, L, HV, K, V] f32;
     slots [N] int; reset [N] bool -> (o [N, HV, V] f32, pool). K and V multiples of 64.
+    slots None: the dense form (grid form only), sequence n's state is pool[n, layer]: no slot id is
+    read before the state's loads, as fla's `fused_recurrent_kda` with a dense h0 (bench/kda_kernels.py
+    times it against that form; the engine always passes slots).
 
     api: "pallas_call" (`pl.pallas_call` with input_output_aliases: the pool is updated in place;
     JAX <= 0.10), "ref" (`plgpu.kernel` with the pool passed as a JAX Ref, which Pallas discharges
@@ -311,6 +314,13 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
     G = HV // H
     vt = min(vt or decode_vt(N, HV, V, layout), V)
     auto_barriers = decode_auto_barriers(layout, K, vt) if auto_barriers is None else auto_barriers
+    dense = slots is None
+    if dense:
+        if ctas is not None:
+            raise ValueError("the dense decode (slots=None) is the grid form only: ctas must be None")
+        if S_ < N:
+            raise ValueError(f"the dense decode (slots=None) needs a pool of >= N = {N} slots, got {S_}")
+        slots = jnp.arange(N, dtype=jnp.int32)  # passed, never read by the kernel
     if ctas is not None:
         if tiles not in (None, 1):
             raise ValueError(f"the persistent decode (ctas={ctas}) steps one V tile at a time: tiles must be 1, "
@@ -361,7 +371,7 @@ def decode(q, k, v, g, beta, pool, slots, reset, *, layer, scale, vt=None, tiles
         plgpu.copy_gmem_to_smem(k_ref.at[n, hq], k_smem, vbar.at[0])
         plgpu.copy_gmem_to_smem(g_ref.at[n, h], g_smem, vbar.at[0])
         plgpu.copy_gmem_to_smem(v_ref.at[n, h, pl.ds(v0, span)], v_smem, vbar.at[0])
-        row = (slot_ref[n] * L + layer) * HV + h
+        row = ((n if dense else slot_ref[n]) * L + layer) * HV + h
         srcs, dsts = [], []
         for j in range(tiles):
             cols = pl.ds(v0 + j * vt, vt)

@@ -274,6 +274,28 @@ def test_persistent_decode_bitwise_equal_grid(N, HV, vt, ctas):
     np.testing.assert_array_equal(res[ctas][1], res[None][1])
 
 
+@pytest.mark.parametrize("N,HV", [(1, 12), (1, 96), (64, 12)])
+def test_dense_decode_bitwise_equal_slots(N, HV):
+    """The dense decode (`mgpu.decode(slots=None)`, session 29: the form the bench times against fla's dense
+    `fused_recurrent_kda`) gives the slot form's bits with slots 0..N-1, in place, with reset slots, the
+    pool's other slots and layers untouched."""
+    from pallas_kernels.kda import mgpu
+
+    q, k, v, g, beta = make(jax.random.key(np.random.randint(1 << 30)), (N,), HV, HV)
+    pool = jax.random.normal(jax.random.key(1), (N + 2, 2, HV, 128, 128), jnp.float32) * 0.05
+    reset = jnp.arange(N) % 3 == 1
+    res = {}
+    for dense in (True, False):
+        fn = jax.jit(functools.partial(mgpu.decode, layer=1, scale=128**-0.5), donate_argnums=(5,))
+        o, p = fn(q, k, v, g, beta, pool + 0.0, None if dense else jnp.arange(N, dtype=jnp.int32), reset)
+        res[dense] = np.asarray(o), np.asarray(p)
+    np.testing.assert_array_equal(res[True][0], res[False][0])
+    np.testing.assert_array_equal(res[True][1], res[False][1])
+    assert np.isfinite(res[True][0]).all()
+    np.testing.assert_array_equal(res[True][1][N:], np.asarray(pool)[N:])
+    np.testing.assert_array_equal(res[True][1][:, 0], np.asarray(pool)[:, 0])
+
+
 @pytest.mark.parametrize("layout", [None, "colwarp8"])
 def test_verify_fold_tiles_bitwise_equal_one_tile(layout):
     """verify and fold with two V tiles a CTA (session 14: one load of the block's vectors for both,
