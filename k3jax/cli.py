@@ -49,6 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
                         "reaches P, in (0, 1]; 1 disables it (default: %(default)s)")
     g.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="K",
                    help="sample only from the K most likely tokens; 0 disables it (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, metavar="P",
+                   help="sample only from tokens at least P times as likely as the most likely one, in [0, 1]; "
+                        "0 disables it (default: %(default)s)")
     g.add_argument("--seed", type=int, default=None, metavar="S",
                    help="sampling seed for reproducible output (default: a fresh random seed per run)")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
@@ -86,7 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id,
+                              top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                              stop_token_ids=args.stop_token_id,
                               ignore_eos=args.ignore_eos)
     try:
         sampling.validate()

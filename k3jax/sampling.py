@@ -1,10 +1,12 @@
 """Sampling: per-request `SamplingParams` and one jitted batched sampler.
 
-`sample(logits, temperature, top_k, top_p, keys)` draws one token per row with fixed shapes, so it
-compiles once per row count R. Rows with temperature 0 take the argmax of the raw logits (exact
-greedy); other rows sample softmax(logits / T) restricted to the top-k tokens (k = 0: off) and to
-the top-p nucleus (the smallest set of most likely tokens whose probability reaches top_p; the top
-token is always kept).
+`sample(logits, temperature, top_k, top_p, keys, min_p)` draws one token per row with fixed shapes,
+so it compiles once per row count R. Rows with temperature 0 take the argmax of the raw logits (exact
+greedy); other rows sample softmax(logits / T) restricted to the top-k tokens (k = 0: off), to the
+top-p nucleus (the smallest set of most likely tokens whose probability reaches top_p) and to the
+tokens whose probability is at least min_p times the top token's (0: off); the top token is always
+kept. The three filters commute: min_p compares probabilities with the top one, a ratio no
+renormalisation changes.
 
 Randomness is per request and reproducible: the key of a request's n-th generated token is
 `request_key(seed, n)`, a pure function of (seed, n), so a seeded request gets the same tokens
@@ -33,6 +35,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1: off
     top_k: int = 0  # keep the k most likely tokens; 0: off
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the top token; 0: off
     seed: int | None = None  # None: a random seed per request
     stop: str | list[str] | None = None  # stop after the token that completes any of these strings
     stop_token_ids: list[int] | None = None  # stop after any of these tokens (finish_reason "stop"; kept in the output)
@@ -59,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):  # NaN fails the comparison
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if vocab_size is not None and self.top_k > vocab_size:
@@ -126,9 +131,13 @@ def request_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     return np.stack([h >> np.uint64(32), h & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32).reshape(-1, 2)
 
 
-def _filtered_sorted(logits, temperature, top_k, top_p):
+def _min_p(min_p, rows):
+    return jnp.zeros((rows,), jnp.float32) if min_p is None else jnp.asarray(min_p, jnp.float32)
+
+
+def _filtered_sorted(logits, temperature, top_k, top_p, min_p=None):
     """The sampling distribution's support in sorted order: (order [R, X] most likely first, ties by
-    token id; scaled logits in that order with the tokens outside top-k / top-p at -inf)."""
+    token id; scaled logits in that order with the tokens outside top-k / top-p / min-p at -inf)."""
     X = logits.shape[-1]
     t = jnp.maximum(temperature, _MIN_TEMPERATURE)[:, None]
     scaled = logits / t
@@ -141,6 +150,8 @@ def _filtered_sorted(logits, temperature, top_k, top_p):
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     p = top_p.astype(jnp.float32)[:, None]
     keep &= (mass_before < p) | (p >= 1.0)
+    # p / p_top >= min_p in log space (log 0 = -inf keeps every token)
+    keep &= srt >= srt[:, :1] + jnp.log(_min_p(min_p, logits.shape[0]))[:, None]
     keep |= rank == 0
     return order, jnp.where(keep, srt, -jnp.inf)
 
@@ -152,16 +163,17 @@ def _typed_keys(keys):
 
 
 @jax.jit
-def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array,
+           min_p: jax.Array | None = None) -> jax.Array:
     """logits f32[R, X], temperature f32[R], top_k i32[R], top_p f32[R], keys (u32[R, 2] raw
-    threefry key data or typed keys [R]) -> token ids i32[R]."""
+    threefry key data or typed keys [R]), min_p f32[R] (None: off) -> token ids i32[R]."""
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = _typed_keys(keys)
 
     def draw():
-        order, masked = _filtered_sorted(logits, temperature, top_k, top_p)
+        order, masked = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
         choice = jax.vmap(jax.random.categorical)(keys, masked)
         tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
         return jnp.where(temperature > 0, tok, greedy)
@@ -169,18 +181,19 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, draw)
 
 
-def target_logprobs(logits, temperature, top_k, top_p) -> jax.Array:
+def target_logprobs(logits, temperature, top_k, top_p, min_p=None) -> jax.Array:
     """log of the distribution `sample` draws from, in vocabulary order (f32[R, X], -inf outside
-    the top-k / top-p support)."""
-    order, masked = _filtered_sorted(logits.astype(jnp.float32), temperature.astype(jnp.float32), top_k, top_p)
+    the top-k / top-p / min-p support)."""
+    order, masked = _filtered_sorted(logits.astype(jnp.float32), temperature.astype(jnp.float32), top_k, top_p,
+                                     min_p)
     return jax.nn.log_softmax(jnp.take_along_axis(masked, jnp.argsort(order, axis=-1), axis=-1), axis=-1)
 
 
-def spec_accept(logits, block, n_draft, temperature, top_k, top_p, keys):
+def spec_accept(logits, block, n_draft, temperature, top_k, top_p, keys, min_p=None):
     """Lossless acceptance of draft blocks (speculative decoding with a deterministic drafter).
 
     logits f32[D, B, X] at the block's B tokens; block i32[D, B] (the last sampled token, then
-    drafts); n_draft i32[D] real drafts per row (<= B-1); temperature / top_k / top_p [D]; keys
+    drafts); n_draft i32[D] real drafts per row (<= B-1); temperature / top_k / top_p / min_p [D]; keys
     u32[D, B, 2] (position j: the key of the request's j-th token of this step).
     Returns (n_emit i32[D] in [1, n_draft+1], tokens i32[D, B]: the first n_emit are the output).
 
@@ -200,7 +213,8 @@ def spec_accept(logits, block, n_draft, temperature, top_k, top_p, keys):
 
     def sampled():
         rep = lambda a: jnp.repeat(a, B)
-        logp = target_logprobs(logits.reshape(D * B, X), rep(temperature), rep(top_k), rep(top_p)).reshape(D, B, X)
+        logp = target_logprobs(logits.reshape(D * B, X), rep(temperature), rep(top_k), rep(top_p),
+                               rep(_min_p(min_p, D))).reshape(D, B, X)
         k = _typed_keys(keys.reshape(D * B, 2))
         pair = jax.vmap(lambda kk: jax.random.split(kk, 2))(k)  # [D*B, 2]
         u = jax.vmap(jax.random.uniform)(pair[:, 0]).reshape(D, B)
@@ -227,4 +241,5 @@ def sample_batch(logits, params: Sequence[SamplingParams], seeds: Sequence[int],
     temperature = np.array([p.temperature for p in params], np.float32)
     top_k = np.array([p.top_k for p in params], np.int32)
     top_p = np.array([p.top_p for p in params], np.float32)
-    return np.asarray(sample(logits, temperature, top_k, top_p, request_keys(seeds, positions)))
+    min_p = np.array([p.min_p for p in params], np.float32)
+    return np.asarray(sample(logits, temperature, top_k, top_p, request_keys(seeds, positions), min_p))

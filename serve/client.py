@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="softmax temperature, 0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus mass in (0, 1] (default: 1, off)")
     g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens (default: 0, off)")
+    g.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="sample among the tokens at least P times as likely as the most likely one, in [0, 1] "
+                        "(default: 0, off)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="finish after the token that completes STR (repeatable)")
@@ -151,7 +154,7 @@ def _generate(args, channel) -> int:
             req.token_ids.SetInParent()
     if args.max_new_tokens is not None:
         req.max_new_tokens = args.max_new_tokens
-    for f in ("temperature", "top_p", "top_k", "seed"):
+    for f in ("temperature", "top_p", "top_k", "min_p", "seed"):
         v = getattr(args, f)
         if v is not None:
             if f == "seed" and v < 0:

@@ -273,18 +273,21 @@ class GenerationServicer:
         temperature = s.temperature if s.HasField("temperature") else 0.0
         top_p = s.top_p if s.HasField("top_p") else 1.0
         top_k = s.top_k if s.HasField("top_k") else 0
+        min_p = s.min_p if s.HasField("min_p") else 0.0
         if not (math.isfinite(temperature) and temperature >= 0):
             raise _invalid(f"sampling.temperature must be a finite number >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:  # NaN fails too
             raise _invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise _invalid(f"sampling.top_k must be >= 0 (0 disables it), got {top_k}")
+        if not 0.0 <= min_p <= 1.0:  # NaN fails too
+            raise _invalid(f"sampling.min_p must be in [0, 1] (0 disables it), got {min_p}")
         if top_k > vocab:
             raise _invalid(f"sampling.top_k={top_k} exceeds the vocabulary size {vocab}")
         stop = list(req.stop)
         if any(not x for x in stop):
             raise _invalid("stop: stop strings must not be empty")
-        sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k,
+        sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   seed=s.seed if s.HasField("seed") else None, stop=stop or None,
                                   stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos)
         try:
@@ -418,7 +421,7 @@ class GenerationServicer:
         lim.max_queued_requests, lim.max_message_bytes = a.max_queued_requests, a.max_message_bytes
         lim.prefill_chunk, lim.page_size = a.prefill_chunk, a.page_size
         f = info.features
-        f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = True
+        f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = f.min_p = True
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
         if request.check_invariants and not a.debug_invariants:

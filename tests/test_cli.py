@@ -122,6 +122,7 @@ def test_cli_generate_subprocess(cli_run, model, greedy):
     (["--prompt", ""], "--prompt is empty"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--min-p", "-0.5"], "min_p"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "hi", "--stop-token-id", "-1"], "stop_token_ids"),
     (["--prompt", "hi", "--batch-invariant", "--mesh", "tp=2"], "--batch-invariant runs on one device"),

@@ -72,6 +72,20 @@ def test_greedy_identity_across_engine_features(model, reference, page_size):
             assert llm.stats["restored_tokens"] > 0
 
 
+def test_min_p_reaches_the_step(model, reference):
+    """min_p 1 keeps only the top token, so sampling at temperature 50 (near uniform over the vocabulary) gives
+    the greedy tokens; without min_p the same seeds give others."""
+    phase1, _ = workload()
+    llm = LLM(model, page_size=16, **ENGINE_KW)
+    hot = dict(max_new_tokens=SP.max_new_tokens, temperature=50.0, seed=3)
+    got = [o.token_ids for o in llm.generate(phase1, SamplingParams(min_p=1.0, **hot))]
+    assert got == reference[: len(phase1)]
+    assert [o.token_ids for o in llm.generate(phase1, SamplingParams(**hot))] != got
+    assert list(generate_stream(model, phase1[3], SamplingParams(min_p=1.0, **hot), prefill_chunk=128,
+                                max_seq_len=512)) == reference[3]
+    llm.check_invariants()
+
+
 def test_branch_point_second_sibling_restores_without_replay(model):
     llm = LLM(model, page_size=16, **ENGINE_KW)
     rng = np.random.default_rng(3)

@@ -9,13 +9,13 @@ from k3jax.sampling import SamplingParams, request_key, request_keys, resolve_se
 R, X = 8, 64  # one compiled shape for most tests
 
 
-def _run(logits, temperature, top_k=0, top_p=1.0, keys=None, seed=0, position=0):
+def _run(logits, temperature, top_k=0, top_p=1.0, keys=None, seed=0, position=0, min_p=None):
     n = logits.shape[0]
     full = lambda v, dt: np.full(n, v, dt)  # noqa: E731
     if keys is None:
         keys = request_keys([seed + i for i in range(n)], [position] * n)
     return np.asarray(sample(np.asarray(logits, np.float32), full(temperature, np.float32), full(top_k, np.int32),
-                             full(top_p, np.float32), keys))
+                             full(top_p, np.float32), keys, None if min_p is None else full(min_p, np.float32)))
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +60,10 @@ def test_resolve_seed():
     assert resolve_seed(None) != resolve_seed(None)
 
 
-def _many(logits_row, n, temperature=1.0, top_k=0, top_p=1.0):
+def _many(logits_row, n, temperature=1.0, top_k=0, top_p=1.0, min_p=None):
     """n draws from one distribution: n rows with distinct keys (one compile for shape [n, X])."""
     rows = np.repeat(np.asarray(logits_row, np.float32)[None], n, axis=0)
-    return _run(rows, temperature, top_k, top_p, keys=request_keys([42] * n, range(n)))
+    return _run(rows, temperature, top_k, top_p, keys=request_keys([42] * n, range(n)), min_p=min_p)
 
 
 N_DRAWS = 4000
@@ -79,6 +79,25 @@ def test_top_p_never_samples_outside_nucleus():
     assert set(np.unique(_many(np.log(probs), N_DRAWS, top_p=0.1))) == {10}  # top token always kept
     out_k = _many(np.log(probs), N_DRAWS, top_k=2)
     assert set(np.unique(out_k)) == {10, 20}
+
+
+def test_min_p_keeps_tokens_near_the_top():
+    """min_p keeps the tokens at least min_p times as likely as the top one (after temperature), in
+    their renormalised proportions; 0 is off (the draws of no min_p, key for key); 1 keeps the top
+    token alone; it composes with top-k."""
+    probs = np.full(X, 0.3 / (X - 3))
+    probs[[10, 20, 30]] = [0.4, 0.2, 0.1]  # the rest 0.0049 each, 0.012 of the top
+    lp = np.log(probs)
+    out = _many(lp, N_DRAWS, min_p=0.3)  # threshold 0.12: {10, 20}
+    assert set(np.unique(out)) == {10, 20}
+    np.testing.assert_allclose(np.bincount(out, minlength=X)[[10, 20]] / N_DRAWS, [2 / 3, 1 / 3], atol=0.04)
+    assert set(np.unique(_many(lp, N_DRAWS, min_p=0.2))) == {10, 20, 30}  # threshold 0.08
+    # at temperature 2 the ratios are square roots: 30 is sqrt(0.25) = 0.5 of the top, the rest ~0.11
+    assert set(np.unique(_many(lp, N_DRAWS, temperature=2.0, min_p=0.3))) == {10, 20, 30}
+    assert set(np.unique(_many(lp, N_DRAWS, min_p=1.0))) == {10}
+    assert set(np.unique(_many(lp, N_DRAWS, min_p=0.2, top_k=2))) == {10, 20}
+    np.testing.assert_array_equal(_many(lp, N_DRAWS, min_p=0.0), _many(lp, N_DRAWS))
+    assert len(np.unique(_many(lp, N_DRAWS))) > 10  # without it, the tail is drawn too
 
 
 def test_empirical_distribution_matches_softmax():
@@ -108,6 +127,10 @@ def test_empirical_distribution_matches_softmax():
     (dict(top_p=1.5), "top_p"),
     (dict(top_p=float("nan")), "top_p"),
     (dict(top_k=-1), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
+    (dict(min_p="0.1"), "min_p"),
     (dict(seed="abc"), "seed"),
     (dict(seed=1.5), "seed"),
     (dict(stop=[1, 2]), "stop"),

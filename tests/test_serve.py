@@ -230,7 +230,7 @@ def test_model_info(server):
     assert (i.limits.max_seq_len, i.limits.max_new_tokens, i.limits.max_running) == (256, 255, 8)
     assert i.limits.max_message_bytes == MAX_MSG and i.limits.kv_pages > 0 and i.limits.state_slots > 0
     assert i.features.text_prompts and i.features.stop_token_ids and i.features.prefix_cache and i.features.overlap
-    assert i.features.ignore_eos
+    assert i.features.ignore_eos and i.features.min_p
     assert not i.HasField("invariants")
 
 
@@ -289,6 +289,16 @@ def test_stop_token_ids(server, reference):
     assert_clean(server.target)
 
 
+def test_min_p(server, reference):
+    """sampling.min_p reaches the engine: at min_p 1 only the top token is kept, so temperature 50 gives the
+    greedy stream."""
+    req = request(PROMPTS[2], sampling=pb.SamplingParams(temperature=50.0, min_p=1.0, seed=9))
+    with grpc.insecure_channel(server.target) as ch:
+        toks, _, last = collect(pb.GenerationStub(ch).Generate(req, metadata=MD, timeout=120))
+    assert toks == reference[2].token_ids and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert_clean(server.target)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _bad_cases():
     empty_ids = pb.GenerateRequest(max_new_tokens=4)
@@ -318,6 +328,12 @@ def _bad_cases():
          "sampling.top_p"),
         ("top_k < 0", request([1], sampling=pb.SamplingParams(top_k=-1)), grpc.StatusCode.INVALID_ARGUMENT,
          "sampling.top_k"),
+        ("min_p < 0", request([1], sampling=pb.SamplingParams(min_p=-0.1)), grpc.StatusCode.INVALID_ARGUMENT,
+         "sampling.min_p"),
+        ("min_p > 1", request([1], sampling=pb.SamplingParams(min_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT,
+         "sampling.min_p"),
+        ("min_p NaN", request([1], sampling=pb.SamplingParams(min_p=math.nan)), grpc.StatusCode.INVALID_ARGUMENT,
+         "sampling.min_p"),
         ("empty stop string", request([1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
         ("unknown stop id", request([1], stop_token_ids=[9999]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ("oversized message", request("x" * (MAX_MSG + 1000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),

@@ -86,6 +86,19 @@ def test_greedy_speculative_equals_plain(model, reference, page_size):
         assert run(llm) == want
 
 
+def test_min_p_one_speculative_is_greedy(model, reference):
+    """Sampled verify blocks with min_p 1 (temperature 50): a draft is accepted exactly when it is the target's
+    argmax and the bonus token is the argmax, so the tokens are the greedy ones."""
+    want, answers = reference
+    phase1 = spec_workload()[0]
+    llm = LLM(model, page_size=16, speculative=OracleDrafter(answers, model.config.vocab_size), num_draft_tokens=GAMMA,
+              **ENGINE_KW)
+    sp = SamplingParams(max_new_tokens=SP.max_new_tokens, temperature=50.0, min_p=1.0, seed=5)
+    assert [o.token_ids for o in llm.generate(phase1, sp)] == want[: len(phase1)]
+    assert llm.stats["spec_accepted"] > 0
+    llm.check_invariants()
+
+
 def test_speculative_with_unified_memory_under_pressure(model, reference):
     want, answers = reference
     llm = LLM(model, page_size=16, kv_pages=26, state_slots=12, enable_unified_memory=True,
@@ -143,17 +156,25 @@ def test_fold_equals_plain_decode(model, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
+@pytest.mark.parametrize("min_p", [None, 0.3])
+def test_rejection_sampling_preserves_the_target_distribution(min_p):
+    """The emitted tokens follow the target distribution (temperature, top-p and, with min_p, the
+    min-p filter: at position 0 it drops tokens 1 and 4, at position 1 the second draft, 4)."""
     X, B, n = 6, 3, 40000
     rng = np.random.default_rng(0)
     logits = jnp.asarray(np.tile(rng.normal(size=(1, B, X)) * 1.5, (n, 1, 1)), jnp.float32)
     block = jnp.tile(jnp.array([[0, 2, 4]], jnp.int32), (n, 1))  # drafts 2 then 4
     temp, top_k, top_p = jnp.full(n, 0.9), jnp.zeros(n, jnp.int32), jnp.full(n, 0.95)
+    mp = None if min_p is None else jnp.full(n, min_p)
     keys = jax.random.key_data(jax.random.split(jax.random.key(1), n * B)).reshape(n, B, 2)
-    n_emit, toks = spec_accept(logits, block, jnp.full(n, 2), temp, top_k, top_p, keys)
+    n_emit, toks = spec_accept(logits, block, jnp.full(n, 2), temp, top_k, top_p, keys, mp)
     n_emit, toks = np.asarray(n_emit), np.asarray(toks)
-    p = np.exp(np.asarray(target_logprobs(logits[0], temp[:B], top_k[:B], top_p[:B])))  # [B, X]
+    p = np.exp(np.asarray(target_logprobs(logits[0], temp[:B], top_k[:B], top_p[:B], None if mp is None else mp[:B])))
     assert 0.05 < np.mean(n_emit > 1) < 0.95  # the test exercises both accept and reject
+    if min_p is not None:
+        plain = np.exp(np.asarray(target_logprobs(logits[0], temp[:B], top_k[:B], top_p[:B])))
+        assert p[0, 1] == p[1, 4] == 0 < min(plain[0, 1], plain[1, 4])  # filtered by min_p, not by top-p
+        assert not (n_emit > 2).any()  # the second draft lies outside the support: never accepted
 
     def check(observed_tokens, probs):
         support = probs > 0

@@ -167,6 +167,7 @@ class SamplingBatch:
     top_k: jax.Array  # i32[N] (0: off)
     top_p: jax.Array  # f32[N] (1: off)
     keys: jax.Array  # u32[N, 2] raw threefry key data
+    min_p: jax.Array  # f32[N] (0: off)
 
 
 def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl,
@@ -180,7 +181,7 @@ def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, sa
     state = restore_checkpoints(state, ops, batch.seq_slot)
     logits, state = forward(params, state, batch, cfg, impl, shard)
     state = snapshot_slots(state, ops, batch.seq_slot)
-    toks = sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.keys)
+    toks = sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.min_p)
     return jnp.zeros_like(prev_tokens).at[: toks.shape[0]].set(toks), state
 
 
@@ -312,7 +313,7 @@ class ModelRunner:
         B = self.spec_block
         restore, snap = np.zeros(N, np.int32), np.zeros(N, np.int32)  # per sequence (decode i, prefill D + j)
         R = D * B + NP if B > 1 else N
-        temp, top_p = np.zeros(R, np.float32), np.ones(R, np.float32)  # per logit row
+        temp, top_p, min_p = np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.float32)  # per logit row
         top_k, keys = np.zeros(R, np.int32), np.zeros((R, 2), np.uint32)
         rows, seeds, positions = [], [], []
         for i, s in enumerate(seqs):
@@ -326,10 +327,10 @@ class ModelRunner:
             seeds += [s.req.seed] * len(r)
             positions += range(s.req.scheduled_samples, s.req.scheduled_samples + len(r))
             sp = s.req.sampling
-            temp[r], top_k[r], top_p[r] = sp.temperature, sp.top_k, sp.top_p
+            temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         if rows:
             keys[rows] = request_keys(seeds, positions)
-        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys)
+        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, min_p=min_p)
         ops = StateOps(restore_src=restore, snap_dst=snap)
         if self.on_launch is not None:  # multi-process lockstep: every process must launch the same inputs
             self.on_launch(packed, ops, samp)
@@ -349,7 +350,8 @@ class ModelRunner:
                                block=self.spec_block)
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
-            samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32))
+            samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32),
+                                 np.zeros(R, np.float32))
             out = self._run(packed, StateOps(z, z), samp, np.zeros(D, np.int32))
             if progress is not None:
                 progress.update()

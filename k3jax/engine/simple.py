@@ -66,6 +66,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     temperature = np.array([sampling.temperature], np.float32)
     top_k = np.array([sampling.top_k], np.int32)
     top_p = np.array([sampling.top_p], np.float32)
+    min_p = np.array([sampling.min_p], np.float32)
     seed = resolve_seed(sampling.seed)
 
     def run(decode, prefill, D, P_, NP):
@@ -78,7 +79,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
         t0 = time.perf_counter()
         log.info("compiling prefill (%d tokens) and decode steps", P)
         for logits in (run([], [], 0, P, 1), run([], [], 1, 0, 0)):  # padding only: sinks absorb the writes
-            np.asarray(sample(logits, temperature, top_k, top_p, request_key(0, 0)[None]))
+            np.asarray(sample(logits, temperature, top_k, top_p, request_key(0, 0)[None], min_p))
         stats["warmup_s"] = time.perf_counter() - t0
         log.info("compiled in %.2f s", stats["warmup_s"])
 
@@ -95,7 +96,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     text = ""
     pos = len(prompt)
     for n in range(max_new):
-        tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None]))[0])
+        tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None], min_p))[0])
         stats["generated_tokens"] = n + 1
         yield tok
         reason = sampling.token_stop(tok, cfg.eos_token_id)

@@ -104,13 +104,14 @@ def _spec_step_body(params, state, batch, ops, snap_at, samp, cfg, impl, block, 
         n_draft = jnp.maximum(batch.seq_len[:D] - 1, 0)
         n_emit, toks = spec_accept(logits[:ndt].reshape(D, block, X), batch.tokens[:ndt].reshape(D, block), n_draft,
                                    first(samp.temperature), first(samp.top_k), first(samp.top_p),
-                                   samp.keys[:ndt].reshape(D, block, 2))
+                                   samp.keys[:ndt].reshape(D, block, 2), first(samp.min_p))
         n_keep = jnp.where(batch.seq_len[:D] > 0, n_emit, 0)
         state = fold_blocks(state, captures, batch.seq_slot[:D], n_keep, snap_at, ops.snap_dst[:D], impl, shard)
         out = jnp.concatenate([n_keep[:, None], toks], axis=1)
     state = snapshot_slots(state, type(ops)(ops.restore_src, jnp.where(is_dec, 0, ops.snap_dst)), batch.seq_slot)
     if NP:
-        tp = sample(logits[ndt:], samp.temperature[ndt:], samp.top_k[ndt:], samp.top_p[ndt:], samp.keys[ndt:])
+        tp = sample(logits[ndt:], samp.temperature[ndt:], samp.top_k[ndt:], samp.top_p[ndt:], samp.keys[ndt:],
+                    samp.min_p[ndt:])
         rows_p = jnp.zeros((NP, block + 1), jnp.int32).at[:, 0].set(1).at[:, 1].set(tp)
         out = jnp.concatenate([out, rows_p], axis=0)
     return out, state
