@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The pending H200 measurements for issue 6 [pallas-kda], as numbered device calls (bench/NOTES.md,
 # sessions 12 and 13, say what each one decides). Run one call per `device` run, from the repo root,
-# with carry [".whl"] (fla-core 0.6.0, pytest-xdist, execnet wheels: bench/NOTES.md, "How to run"):
+# with carry [".whl"] (fla-core 0.6.0, pytest-xdist, execnet and grpc wheels: bench/NOTES.md, "How to run"):
 #
 #     bash bench/device_calls.sh 1     # then 2, 3, 4; each < 10 minutes
 #     bash bench/device_calls.sh list  # what each call runs
@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 calls() {
     cat <<'EOF'
 1  tests/gpu in full (~9 min on an H100 with -n 8: session 21's run reached its last test as the 560 s limit
-   came, 89 passed, the two strict speculative tests without the mode failed as in call 15) -> tests.txt
+   came, 89 passed, the two strict speculative tests without the mode failed as in call 15) -> tests.txt.
+   Session 29 (H100, MLA kernel on by default): 110 passed, none failed, four of the mode's compile-bound cases cut
 2  decode at batch 64, 256, 1024 x 12 and 96 heads: the default against colwarp8 at 1, 2, 4 tiles a CTA
    (~5 min) -> kda_colwarp8.json. Ran in session 19 (H100, results/session19/): colwarp8 1.8-2.5% slower
    than the default at every batch >= 64, two and four tiles slower still: STEP_LAYOUT stays "colwarp"
@@ -253,7 +254,7 @@ calls() {
    28) stopped in the speculative part on the KDA fold: impl "auto" sent k3-tiny's 32-wide keys to the fold
    kernel, which takes multiples of 64 (fixed: `kda.spec.kernel_impl` now rules for the fold too); the rerun hit
    its 150 s limit. Prediction: passes. Rule: if it fails, the tokens' first difference and margin decide
-   (DESIGN.md section 4) whether DECODE_KERNEL stays the default
+   (DESIGN.md section 4) whether DECODE_KERNEL stays the default. Ran in session 29 (H100): passed (155 s)
 39 the dense decode (session 29, `mgpu.decode(slots=None)`: sequence n's state is pool[n], no slot id read
    before the state's loads, fla's dense job): tests/gpu's dense (bits equal the slot form) and
    persistent decode cases, then decode at 1 and 64 x 12 and 96 heads, the default (the serving job: a slot
@@ -263,13 +264,18 @@ calls() {
    +0.88 us for fla's own kernel at 1 x 12 / 1 x 96): dense 1 x 96 ~5.3-5.6 us against fla's dense ~5.4 and the
    default's ~6.1, 1 x 12 ~2.5-2.7 (default ~2.9); at 64 x 12 within 1% of the default. Rule: if dense is
    at or below fla's dense kernel time at every shape measured, the decode goal holds in both jobs (ours
-   against fla doing the same work); otherwise the slot read is not the gap, and what is left is named
+   against fla doing the same work); otherwise the slot read is not the gap, and what is left is named.
+   Ran in session 29 (H100, results/session29/): dense 2.72 / 37.5 / 6.63 / 280.1 us at 1 x 12 / 64 x 12 / 1 x 96
+   / 64 x 96 against the default's 2.90 / 37.8 / 6.69 / 280.3 and fla dense 2.99 / 36.4 / 6.05 / 275.9: the slot
+   read is hidden already; the 1 x 96 gap is the grid (bench/NOTES.md)
 34 the serving binary on a GPU (never measured there): bench/serve_load.py starts k3jax-serve with k3-mini
    (random bf16 weights, the defaults' kernels, --single-bucket, max_running 64, max_seq_len 4096, 1,024-token
    prefill chunks) and drives it with 1, 16 and 64 gRPC clients (Poisson arrivals at N/2 requests/s;
    128-2,048-token prompts, half behind 4 shared 512-token prefixes; 64-128 new tokens) (~8 min)
    -> serve_k3_mini.json. Prediction: inter-token p50 ~5 ms at 1 client (the 3.7 ms step plus host work),
-   ~8-12 ms at 64; output ~4-6k tok/s at 64 clients; TTFT p50 ~0.1-0.3 s
+   ~8-12 ms at 64; output ~4-6k tok/s at 64 clients; TTFT p50 ~0.1-0.3 s. Needs the grpcio-health-checking and
+   grpcio-reflection wheels in .whl (bench/NOTES.md, How to run). Ran in session 29 (H100): ITL p50 8.2 / 10 / 31
+   ms, 2,120 tok/s at 64 clients, TTFT p50 69-135 ms: every step padded to the single bucket (bench/NOTES.md)
 EOF
 }
 
