@@ -76,7 +76,9 @@ DEFINITIONS = {
     "cache_hit_rate_upper_bound": "if every shared-prefix request but the first per prefix restored the prefix "
                                   "(rounded down to 64-token chunks)",
     "server_metrics": "deltas of the server's Prometheus counters/histograms over the level; p50_hist / p99_hist are "
-                      "histogram_quantile-style bucket interpolations (coarse)",
+                      "histogram_quantile-style bucket interpolations (coarse); step_host_ms / step_wait_ms: the "
+                      "engine loop's mean time a step on the host and blocked on the device's tokens (with overlap "
+                      "the host works on step N + 1 while the device runs N: wait ~0 means host-bound)",
     "p99": "numpy percentile (linear); with few requests it is close to the maximum",
 }
 
@@ -283,6 +285,10 @@ def metrics_delta(before: dict | None, after: dict | None) -> dict | None:
                       for k in after if k[0] == "k3jax_request_errors_total" and after[k] - before.get(k, 0.0)},
            "cache_hit_rate_cumulative_gauge": after.get(("k3jax_cache_hit_rate", ())),
            "kv_token_usage_after": after.get(("k3jax_token_usage", ()))}
+    steps = d("k3jax_engine_steps_total")  # the engine loop: host work and device wait per step
+    out["engine_steps"] = steps
+    out["step_host_ms"] = d("k3jax_engine_step_host_seconds_total") * 1e3 / steps if steps else None
+    out["step_wait_ms"] = d("k3jax_engine_step_wait_seconds_total") * 1e3 / steps if steps else None
     for short, name in (("ttft_s", "k3jax_time_to_first_token_seconds"), ("itl_s", "k3jax_inter_token_latency_seconds"),
                         ("e2e_s", "k3jax_e2e_request_latency_seconds")):
         n = d(name + "_count")
@@ -530,8 +536,8 @@ def run(a, target: str, metrics_url: str | None, metadata, info: dict) -> list[d
               f"{row['requests_per_s']:.2f} req/s, {row['output_tokens_per_s']:.1f} out tok/s; "
               f"TTFT p50/p99 {f(row['ttft_s']['p50'])}/{f(row['ttft_s']['p99'])} ms; "
               f"ITL p50/p99 {f(row['itl_s']['p50'])}/{f(row['itl_s']['p99'])} ms; "
-              f"cache hit {row['cache_hit_rate']:.3f} (upper bound {row['cache_hit_rate_upper_bound']:.3f})",
-              file=sys.stderr)
+              f"cache hit {row['cache_hit_rate']:.3f} (upper bound {row['cache_hit_rate_upper_bound']:.3f})"
+              + step_figures(row.get("server_metrics")), file=sys.stderr)
     return rows
 
 
@@ -581,17 +587,26 @@ def main(argv=None) -> int:
     return 0 if server is None or server.exit_code == 0 else 1
 
 
+def step_figures(sm: dict | None) -> str:
+    """'; engine N steps, host H / wait W ms a step' from a level's server metrics ('' without them)."""
+    if not sm or not sm.get("engine_steps"):
+        return ""
+    return f"; engine {sm['engine_steps']:.0f} steps, host {sm['step_host_ms']:.2f} / wait {sm['step_wait_ms']:.2f} ms a step"
+
+
 def table(rows: list[dict]) -> str:
     ms = lambda x: "-" if x is None else f"{x * 1e3:,.0f}"
+    f2 = lambda x: "-" if x is None else f"{x:.2f}"
     lines = ["| concurrency | requests | req/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) "
-             "| cache hit (usage) | cache hit (metrics) |", "|---|---|---|---|---|---|---|---|"]
+             "| cache hit (usage) | cache hit (metrics) | step host / wait (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sm = r.get("server_metrics") or {}
         hit_m = sm.get("cache_hit_rate")
         lines.append(f"| {r['concurrency']} | {r['completed']}/{r['requests']} | {r['requests_per_s']:.2f} | "
                      f"{r['output_tokens_per_s']:.1f} | {ms(r['ttft_s']['p50'])} / {ms(r['ttft_s']['p99'])} | "
                      f"{ms(r['itl_s']['p50'])} / {ms(r['itl_s']['p99'])} | {r['cache_hit_rate']:.2f} | "
-                     f"{'-' if hit_m is None else f'{hit_m:.2f}'} |")
+                     f"{'-' if hit_m is None else f'{hit_m:.2f}'} | {f2(sm.get('step_host_ms'))} / "
+                     f"{f2(sm.get('step_wait_ms'))} |")
     return "\n".join(lines)
 
 

@@ -162,6 +162,9 @@ def _token_stream(args, model, prompt_ids, sampling, stats):
         if delta.finished:
             stats["finish_reason"] = delta.output.finish_reason
     st = collections.Counter(llm.stats)
+    if st["steps"]:
+        log.info("engine: %d steps, %.2f ms a step on the host, %.2f ms waiting for the device", st["steps"],
+                 st["step_host_s"] * 1e3 / st["steps"], st["step_wait_s"] * 1e3 / st["steps"])
     if st["spec_blocks"]:
         log.info("speculative: %d verify steps, %d of %d drafts accepted (%.2f tokens per step)", st["spec_blocks"],
                  st["spec_accepted"], st["spec_drafted"], (st["spec_blocks"] + st["spec_accepted"]) / st["spec_blocks"])

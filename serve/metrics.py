@@ -23,7 +23,26 @@ NAMES = (
     "k3jax_num_queue_reqs", "k3jax_num_running_reqs", "k3jax_num_streams", "k3jax_cache_hit_rate",
     "k3jax_token_usage", "k3jax_gen_throughput", "k3jax_generation_tokens_total", "k3jax_prompt_tokens_total",
     "k3jax_cached_tokens_total", "k3jax_requests_total", "k3jax_request_errors_total", "k3jax_ready",
+    "k3jax_engine_steps_total", "k3jax_engine_step_host_seconds_total", "k3jax_engine_step_wait_seconds_total",
 )
+
+
+class _StepCollector:
+    """The engine's `StepTiming` as counters, read at scrape time: steps, and their seconds of host work and of
+    waiting for the device (rate(host) / rate(steps) is the host time per step)."""
+
+    def __init__(self, timing):
+        self.timing = timing
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        t = self.timing
+        yield CounterMetricFamily("k3jax_engine_steps", "Engine steps run (launched or collected).", value=t.steps)
+        yield CounterMetricFamily("k3jax_engine_step_host_seconds", "Engine loop time spent on the host: scheduling, "
+                                  "packing, launching, applying tokens.", value=t.host_s)
+        yield CounterMetricFamily("k3jax_engine_step_wait_seconds", "Engine loop time blocked on the device's sampled "
+                                  "tokens (device time the host work did not hide).", value=t.wait_s)
 
 
 class Metrics:
@@ -70,6 +89,7 @@ class Metrics:
         self.running.set_function(lambda: len(s.running))
         self.token_usage.set_function(lambda: 1.0 - s.pages.free_count / max(1, s.pages.capacity))
         self.streams.set_function(streams_fn)
+        self.registry.register(_StepCollector(core.timing))
 
     # ---- events -------------------------------------------------------------------------------
     def tokens(self, n: int) -> None:

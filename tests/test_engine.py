@@ -72,6 +72,21 @@ def test_greedy_identity_across_engine_features(model, reference, page_size):
             assert llm.stats["restored_tokens"] > 0
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_timing(model, overlap):
+    """`LLM.stats`' step timing: every launched step is counted (with overlap, plus the last collect), its host
+    and device-wait seconds are positive and add up to at most the wall time of the calls."""
+    import time
+
+    llm = LLM(model, page_size=16, overlap=overlap, **ENGINE_KW)
+    t0 = time.perf_counter()
+    llm.generate(workload()[0], SP)
+    wall = time.perf_counter() - t0
+    st = llm.stats
+    assert st["steps"] == llm.core.step_count + (1 if overlap else 0)
+    assert st["step_host_s"] > 0 and st["step_wait_s"] > 0 and st["step_host_s"] + st["step_wait_s"] <= wall
+
+
 def test_min_p_reaches_the_step(model, reference):
     """min_p 1 keeps only the top token, so sampling at temperature 50 (near uniform over the vocabulary) gives
     the greedy tokens; without min_p the same seeds give others."""

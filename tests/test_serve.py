@@ -475,6 +475,8 @@ def test_metrics_endpoint(server):
     assert value("k3jax_generation_tokens_total") >= 2 * MNT
     assert 0 < value("k3jax_cache_hit_rate") < 1
     assert value("k3jax_ready") == 1 and value("k3jax_num_running_reqs") == 0
+    assert value("k3jax_engine_steps_total") >= 2 * MNT  # each streamed token took a step
+    assert value("k3jax_engine_step_host_seconds_total") > 0 and value("k3jax_engine_step_wait_seconds_total") > 0
     assert re.search(r'^k3jax_request_errors_total\{code="INVALID_ARGUMENT"\} [1-9]', text, re.M)
 
 

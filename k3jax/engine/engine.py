@@ -102,6 +102,20 @@ def _engine_mesh(spec, model_mesh):
     return make_mesh(spec if spec is not None else model_mesh)
 
 
+@dataclasses.dataclass
+class StepTiming:
+    """Cumulative wall time of `EngineCore.step` over the steps that ran or collected a device step: `wait_s`
+    blocked on the device for sampled tokens, `host_s` everything else (scheduling, packing, launching,
+    applying tokens, drafting). With overlap the host work of step N + 1 runs while step N is on the device,
+    so `wait_s / steps` is the device time the host did not hide, and a host-bound loop shows wait ~0."""
+    steps: int = 0
+    host_s: float = 0.0  # seconds
+    wait_s: float = 0.0  # seconds
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "step_host_s": self.host_s, "step_wait_s": self.wait_s}
+
+
 class EngineCore:
     """One process's engine: `add` requests, call `step` until `has_work()` is false."""
 
@@ -142,6 +156,7 @@ class EngineCore:
         self.inflight: InFlight | None = None
         self._ids = itertools.count()
         self.step_count = 0
+        self.timing = StepTiming()
         if cfg.warmup:
             self.warmup()
 
@@ -195,7 +210,10 @@ class EngineCore:
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule and launch one step; apply the results of the previous (overlap) or this one.
-        Returns the requests that received tokens."""
+        Returns the requests that received tokens. `timing` splits the time into host work and the wait
+        for the device's tokens."""
+        t0 = time.perf_counter()
+        wait = 0.0
         plan = self.scheduler.schedule()
         new = None
         if plan:
@@ -203,15 +221,22 @@ class EngineCore:
             self.scheduler.commit(plan)
             self.step_count += 1
         done: list[Request] = []
+        collect = self.inflight if self.cfg.overlap else new
+        if collect is not None:
+            tw = time.perf_counter()
+            tokens = collect.host()  # blocks until the device has sampled them
+            wait = time.perf_counter() - tw
+            done = self.scheduler.process(collect.plan, tokens)
         if self.cfg.overlap:
-            if self.inflight is not None:
-                done = self.scheduler.process(self.inflight.plan, self.inflight.host())
             self.inflight = new
-        elif new is not None:
-            done = self.scheduler.process(new.plan, new.host())
         if new is None and not done and self.inflight is None and self.scheduler.has_work():
             raise RuntimeError("scheduler stalled: requests wait but nothing can run (pool too small?)")
         finished = self.scheduler.drain_finished()
+        if plan or collect is not None:
+            t = self.timing
+            t.steps += 1
+            t.wait_s += wait
+            t.host_s += time.perf_counter() - t0 - wait
         return done + [r for r in finished if r not in done]
 
     def check_invariants(self) -> None:
@@ -282,8 +307,10 @@ class LLM:
 
     @property
     def stats(self) -> dict:
-        """Cumulative counters: computed / restored tokens, donated checkpoints, evictions, preemptions."""
-        return dict(self.core.scheduler.stats)
+        """Cumulative counters: computed / restored tokens, donated checkpoints, evictions, preemptions; engine
+        steps and their time on the host and waiting for the device (`StepTiming`: steps, step_host_s,
+        step_wait_s)."""
+        return dict(self.core.scheduler.stats) | self.core.timing.as_dict()
 
     def memory_usage(self) -> dict:
         """Where the KV pages and state slots are now (one snapshot; see `check_invariants`)."""
