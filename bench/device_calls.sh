@@ -276,6 +276,11 @@ calls() {
    ~8-12 ms at 64; output ~4-6k tok/s at 64 clients; TTFT p50 ~0.1-0.3 s. Needs the grpcio-health-checking and
    grpcio-reflection wheels in .whl (bench/NOTES.md, How to run). Ran in session 29 (H100): ITL p50 8.2 / 10 / 31
    ms, 2,120 tok/s at 64 clients, TTFT p50 69-135 ms: every step padded to the single bucket (bench/NOTES.md)
+40 call 34 cut to 1 and 16 clients (16 and 48 requests; ~4 min with the 2-bucket warm-up), for the engine loop's
+   split of a step (session 29: StepTiming; serve_load's step host / wait ms) -> serve_k3_mini.json. With
+   overlap a step's host work runs while the previous step is on the device, so host + wait is the loop's
+   period (~8 ms at 1 client, the ITL of call 34). Prediction: host ~2-3 ms, wait ~5-6 ms: the padded 64-row
+   device step sets the latency (slower in the server than call 37's 5.5 ms bench step), not the host
 EOF
 }
 
@@ -499,6 +504,12 @@ case "$1" in
     step serve_k3_mini timeout 540 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 64 \
         --requests 16 96 256 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
         --max-seq-len 4096 --prefill-chunk 1024 --ready-timeout 300 --server-log "$OUT/serve_k3_mini_server.log" \
+        --out "$OUT/serve_k3_mini.json"
+    ;;
+40)
+    step serve_k3_mini timeout 250 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 \
+        --requests 16 48 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
+        --max-seq-len 4096 --prefill-chunk 1024 --ready-timeout 200 --server-log "$OUT/serve_k3_mini_server.log" \
         --out "$OUT/serve_k3_mini.json"
     ;;
 32)
