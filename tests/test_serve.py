@@ -464,6 +464,9 @@ def test_metrics_endpoint(server):
     with grpc.insecure_channel(server.target) as ch:  # a prefix-cache hit: the second run restores the first's prefix
         for _ in range(2):
             collect(pb.GenerationStub(ch).Generate(request(PROMPTS[4]), metadata=MD, timeout=60))
+        with pytest.raises(grpc.RpcError):  # and a refused call, counted by code (whether or not other tests ran)
+            collect(pb.GenerationStub(ch).Generate(request([1], sampling=pb.SamplingParams(top_k=-1)), metadata=MD,
+                                                   timeout=60))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).read().decode()
     for name in METRIC_NAMES:
         assert re.search(rf"^{name}(_bucket|_count|_sum)?({{.*}})? ", text, re.M), name
