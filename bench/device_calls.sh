@@ -281,6 +281,10 @@ calls() {
    overlap a step's host work runs while the previous step is on the device, so host + wait is the loop's
    period (~8 ms at 1 client, the ITL of call 34). Prediction: host ~2-3 ms, wait ~5-6 ms: the padded 64-row
    device step sets the latency (slower in the server than call 37's 5.5 ms bench step), not the host
+41 call 40 with the step shapes sized to the load instead of the single bucket: --decode-buckets 1,16,64 (and the
+   1,024-token prefill chunk: 7 compiles, ~6.5 min of warm-up at call 34's ~55 s a shape) (~8 min)
+   -> serve_k3_mini_buckets.json. Prediction: at 1 client ITL ~4.5-5 ms (call 37's 3.7 ms batch-1 step plus the
+   host share call 40 shows), at 16 clients ~6-8 ms
 EOF
 }
 
@@ -511,6 +515,12 @@ case "$1" in
         --requests 16 48 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
         --max-seq-len 4096 --prefill-chunk 1024 --ready-timeout 200 --server-log "$OUT/serve_k3_mini_server.log" \
         --out "$OUT/serve_k3_mini.json"
+    ;;
+41)
+    step serve_k3_mini_buckets timeout 560 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 \
+        --requests 16 48 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
+        --max-seq-len 4096 --prefill-chunk 1024 --decode-buckets 1,16,64 --ready-timeout 480 \
+        --server-log "$OUT/serve_k3_mini_buckets_server.log" --out "$OUT/serve_k3_mini_buckets.json"
     ;;
 32)
     step k3_mini_mla_kernel timeout 240 python3 bench/k3_mini_h200.py --batch 1 64 --context 16384 --impl pallas \

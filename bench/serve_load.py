@@ -158,7 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--single-bucket", action=argparse.BooleanOptionalAction, default=True,
                    help="server --single-bucket: 2 compiles (~30 s), every step padded to the largest shapes "
                         "(max-running decode rows, prefill-chunk tokens); --no-single-bucket compiles every "
-                        "bucket (31 with the defaults: ~7 minutes on a busy 2-core CPU) (default: on)")
+                        "bucket (31 with the defaults: ~7 minutes on a busy 2-core CPU) (default: on; off with "
+                        "--decode-buckets)")
+    s.add_argument("--decode-buckets", default=None, metavar="N,N,...",
+                   help="server --decode-buckets: compile these decode batch sizes (ending with --max-running) and "
+                        "the prefill-chunk mixed shapes, instead of --single-bucket, e.g. 1,16,64: 7 compiles "
+                        "(default: none)")
     s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="server --[no-]prefix-cache (default: on)")
     s.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -431,7 +436,9 @@ class Server:
                     "--max-seq-len", str(a.max_seq_len), "--prefill-chunk", str(a.prefill_chunk),
                     "--drain-timeout", "30",
                     "--prefix-cache" if a.prefix_cache else "--no-prefix-cache",
-                    *(["--single-bucket"] if a.single_bucket else []), *a.server_arg]
+                    *(["--single-bucket"] if a.single_bucket and not a.decode_buckets else []),
+                    *(["--decode-buckets", a.decode_buckets, "--prefill-buckets", str(a.prefill_chunk)]
+                      if a.decode_buckets else []), *a.server_arg]
         self.keep_log = a.server_log is not None
         self.log_path = a.server_log or tempfile.mkstemp(prefix="serve_load_", suffix=".log")[1]
         self._log = open(self.log_path, "w")

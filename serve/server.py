@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--single-bucket", action="store_true",
                    help="compile only the largest step shapes (2 compiles, more padding): fast start-up, "
                         "for tests and CPUs (default: off)")
+    e.add_argument("--decode-buckets", type=_int_list, default=None, metavar="N,N,...",
+                   help="decode batch sizes to compile, increasing, ending with --max-running (as SGLang's "
+                        "--cuda-graph-bs); fewer sizes: fewer compiles, more padding (default: powers of two up to "
+                        "--max-running)")
+    e.add_argument("--prefill-buckets", type=_int_list, default=None, metavar="N,N,...",
+                   help="prefill token counts to compile, increasing multiples of 64 ending with --prefill-chunk "
+                        "(default: 64 x powers of two up to --prefill-chunk)")
     e.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every step bucket before reporting SERVING (default: on)")
     e.add_argument("--batch-invariant", action="store_true",
@@ -150,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """'1,8,64' -> (1, 8, 64) (argparse type: a bad item is a usage error naming it)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,8,64; got {text!r}") from None
+
+
 def engine_kwargs(args) -> dict:
     """`LLM(...)` keyword arguments from the command line."""
     return dict(page_size=args.page_size, prefix_cache=args.prefix_cache, overlap=args.overlap,
@@ -157,7 +172,8 @@ def engine_kwargs(args) -> dict:
                 num_draft_tokens=args.num_draft_tokens, mesh=args.mesh,
                 state_slots=args.state_slots, kv_pages=args.kv_pages, max_running=args.max_running,
                 max_seq_len=args.max_seq_len, prefill_chunk=args.prefill_chunk, max_prefill_seqs=args.max_prefill_seqs,
-                checkpoint_policy=args.checkpoint_policy, single_bucket=args.single_bucket, warmup=args.warmup,
+                checkpoint_policy=args.checkpoint_policy, single_bucket=args.single_bucket,
+                decode_buckets=args.decode_buckets, prefill_buckets=args.prefill_buckets, warmup=args.warmup,
                 impl=args.impl, batch_invariant=args.batch_invariant)
 
 

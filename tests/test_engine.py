@@ -87,6 +87,22 @@ def test_step_timing(model, overlap):
     assert st["step_host_s"] > 0 and st["step_wait_s"] > 0 and st["step_host_s"] + st["step_wait_s"] <= wall
 
 
+def test_explicit_buckets(model, reference):
+    """`decode_buckets` / `prefill_buckets` (as SGLang's --cuda-graph-bs): only those step shapes exist, steps pad to
+    them, and the tokens are the greedy reference; bad lists are refused by name."""
+    kw = ENGINE_KW | dict(single_bucket=False)
+    llm = LLM(model, page_size=16, decode_buckets=(4,), prefill_buckets=(128,), **kw)
+    assert llm.core.buckets.shapes() == [(4, 0), (0, 128), (4, 128)]
+    phase1, _ = workload()
+    assert [o.token_ids for o in llm.generate(phase1, SP)] == reference[: len(phase1)]
+    llm.check_invariants()
+    for bad, msg in ((dict(decode_buckets=(2, 8)), "end with max_running"), (dict(decode_buckets=(4, 2)), "increasing"),
+                     (dict(prefill_buckets=(100, 128)), "multiple of 64"), (dict(decode_buckets=[4]), "tuple"),
+                     (dict(decode_buckets=(4,), single_bucket=True), "exclude each other")):
+        with pytest.raises(ValueError, match=msg):
+            LLM(model, **(kw | bad))
+
+
 def test_min_p_reaches_the_step(model, reference):
     """min_p 1 keeps only the top token, so sampling at temperature 50 (near uniform over the vocabulary) gives
     the greedy tokens; without min_p the same seeds give others."""

@@ -549,6 +549,12 @@ def test_serve_cli_user_errors(capsys, monkeypatch):
     assert main(["--model", "k3-tiny", "--batch-invariant", "--mesh", "tp=2"]) == 2  # one device only
     err = capsys.readouterr().err
     assert err.startswith("k3jax-serve: error:") and err.count("\n") == 1 and "--batch-invariant" in err, err
+    assert main(["--model", "k3-tiny", "--max-running", "16", "--decode-buckets", "1,8"]) == 2  # must end at 16
+    err = capsys.readouterr().err
+    assert err.startswith("k3jax-serve: error:") and "decode_buckets must end with max_running (16)" in err, err
+    with pytest.raises(SystemExit):  # argparse: not integers
+        main(["--model", "k3-tiny", "--prefill-buckets", "64,x"])
+    assert "comma-separated integers" in capsys.readouterr().err
 
 
 def test_queue_limit_refuses_with_resource_exhausted():

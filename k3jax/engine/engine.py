@@ -51,20 +51,26 @@ class EngineConfig:
     max_checkpoints_per_path: int = 4
     warmup: bool = False  # compile every bucket before serving (servers: True)
     single_bucket: bool = False  # only the largest buckets (decode-only and mixed): 2 compiles, more padding
+    # the step shapes to compile (as SGLang's --cuda-graph-bs): decode batch sizes, increasing, the largest
+    # max_running (None: powers of two up to it); prefill token counts, multiples of 64, the largest
+    # prefill_chunk (None: 64 x powers of two up to it). Fewer buckets: fewer compiles, more padding.
+    decode_buckets: tuple[int, ...] | None = None
+    prefill_buckets: tuple[int, ...] | None = None
     impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
     # a token's logits independent of the other tokens of its step (speculation, batch composition): the
     # steps run their row-wise work in fixed blocks (`ModelConfig.batch_invariant_rows`), one device only
     batch_invariant: bool = False
 
     def buckets(self) -> Buckets:
-        """Decode batch buckets: powers of two up to max_running; prefill token buckets: 64 x powers
-        of two up to prefill_chunk."""
+        """Decode batch buckets: `decode_buckets`, or powers of two up to max_running; prefill token buckets:
+        `prefill_buckets`, or 64 x powers of two up to prefill_chunk."""
         dec = tuple(2**i for i in range(int(math.log2(self.max_running)) + 1))
         if dec[-1] != self.max_running:
             dec += (self.max_running,)
         tok = tuple(64 * 2**i for i in range(int(math.log2(self.prefill_chunk // 64)) + 1))
         if tok[-1] != self.prefill_chunk:
             tok += (self.prefill_chunk,)
+        dec, tok = tuple(self.decode_buckets or dec), tuple(self.prefill_buckets or tok)
         return Buckets(decode=dec, tokens=tok, max_prefill_seqs=self.max_prefill_seqs,
                        pages_per_seq=-(-self.max_seq_len // self.page_size), single=self.single_bucket)
 
@@ -74,6 +80,19 @@ class EngineConfig:
         for name in ("page_size", "max_running", "max_seq_len", "max_prefill_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, top, step in (("decode_buckets", "max_running", 1), ("prefill_buckets", "prefill_chunk", 64)):
+            b = getattr(self, name)
+            if b is None:
+                continue
+            if self.single_bucket:
+                raise ValueError(f"{name} and single_bucket exclude each other (single_bucket compiles only the "
+                                 f"largest shapes)")
+            ok = isinstance(b, tuple) and b and all(isinstance(x, int) and x >= step and x % step == 0 for x in b)
+            if not ok or list(b) != sorted(set(b)):
+                raise ValueError(f"{name} must be a tuple of increasing integers, each a positive multiple of {step}, "
+                                 f"got {b!r}")
+            if b[-1] != getattr(self, top):
+                raise ValueError(f"{name} must end with {top} ({getattr(self, top)}), the largest step; got {b!r}")
         if self.enable_unified_memory and self.mesh is not None:
             raise NotImplementedError("enable_unified_memory with a mesh is not supported yet")
         if isinstance(self.speculative, str) or self.speculative is None:
