@@ -713,7 +713,7 @@ class Run:
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
             samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32),
-                                 np.zeros(R, np.float32))
+                                 np.zeros(R, np.float32), np.full(R, -1, np.int32))
             ops = StateOps(z, z)
             if r.sharded is not None:  # placed here as the call places them: lowering with host arrays or
                 # ShapeDtypeStructs gives another jit cache key, and the warm-up would compile again

@@ -27,6 +27,7 @@ import numpy as np
 
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-6  # below this, logits / T could overflow; such rows are greedy in effect
+MAX_LOGPROBS = 20  # most alternatives a request may ask logprobs for (the step computes this many per row)
 
 
 @dataclasses.dataclass
@@ -40,6 +41,9 @@ class SamplingParams:
     stop: str | list[str] | None = None  # stop after the token that completes any of these strings
     stop_token_ids: list[int] | None = None  # stop after any of these tokens (finish_reason "stop"; kept in the output)
     ignore_eos: bool = False  # generate past the model's EOS token (fixed output lengths, as benchmarks want)
+    # None: off; N in [0, MAX_LOGPROBS]: each generated token's log-probability under the model (the raw
+    # logits' log-softmax, before temperature and filters) plus the N most likely tokens' (RequestOutput.logprobs)
+    logprobs: int | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -85,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: unknown token ids {bad[:5]} (ids lie in {bound})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
 
     def token_stop(self, token: int, eos_token_id: int | None) -> str | None:
@@ -179,6 +185,33 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
         return jnp.where(temperature > 0, tok, greedy)
 
     return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, draw)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array):
+    """The model's log-probabilities (raw logits' log-softmax) of `tokens` and the MAX_LOGPROBS most likely tokens,
+    computed only when some row wants them (want i32[R] >= 0; else zeros): logits f32[R, X], tokens i32[R] ->
+    (token f32[R], top ids i32[R, MAX_LOGPROBS], top f32[R, MAX_LOGPROBS]), most likely first."""
+    R, X = logits.shape
+    k = min(MAX_LOGPROBS, X)
+
+    def compute():
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top, ids = jax.lax.top_k(logp, k)
+        return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0], ids.astype(jnp.int32), top
+
+    def off():
+        return jnp.zeros((R,), jnp.float32), jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(want >= 0), compute, off)
+
+
+def logprob_entry(token: int, n: int, row: int, lp) -> dict[int, float]:
+    """One generated token's `RequestOutput.logprobs` entry from `token_logprobs`' host arrays at `row`: the n most
+    likely tokens and the sampled one, {token id: log-probability}."""
+    tok_lp, ids, top = lp
+    entry = {int(ids[row, j]): float(top[row, j]) for j in range(n)}
+    entry[int(token)] = float(tok_lp[row])
+    return entry
 
 
 def target_logprobs(logits, temperature, top_k, top_p, min_p=None) -> jax.Array:

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finish after token ID (repeatable)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate past the model's EOS token, up to --max-new-tokens (default: stop at EOS)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="ask for each token's log-probability and the N most likely alternatives, in [0, 20]; shown "
+                        "with --json (default: none)")
     g.add_argument("--request-id", default="", metavar="ID", help="request id (default: assigned by the server)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to a text prompt (default: off)")
     out = g.add_mutually_exclusive_group()
@@ -163,6 +166,8 @@ def _generate(args, channel) -> int:
     req.stop.extend(args.stop)
     req.stop_token_ids.extend(args.stop_token_id)
     req.ignore_eos = args.ignore_eos
+    if args.logprobs is not None:
+        req.logprobs = args.logprobs
 
     from google.protobuf import json_format
 

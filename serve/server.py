@@ -305,7 +305,8 @@ class GenerationServicer:
             raise _invalid("stop: stop strings must not be empty")
         sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   seed=s.seed if s.HasField("seed") else None, stop=stop or None,
-                                  stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos)
+                                  stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos,
+                                  logprobs=req.logprobs if req.HasField("logprobs") else None)
         try:
             sampling.validate(vocab)  # stop_token_ids; the fields above are checked with their proto names
         except ValueError as e:
@@ -354,9 +355,9 @@ class GenerationServicer:
             return
         self.active[rid] = t0
         log.debug("request %s: %d prompt tokens, max_new_tokens %d", rid, len(ids), sampling.max_new_tokens)
-        await self._stream(rid, ids, t0, context)
+        await self._stream(rid, ids, t0, context, sampling.logprobs or 0)
 
-    async def _stream(self, rid, ids, t0, context):
+    async def _stream(self, rid, ids, t0, context, n_logprobs=0):
         from k3jax.tokenizer import IncrementalDecoder
 
         tok = self.llm.model.tokenizer
@@ -386,6 +387,9 @@ class GenerationServicer:
                     m.tokens(len(toks))
                 n_out += len(toks)
                 resp = pb.GenerateResponse(request_id=rid, token_ids=toks, text=text)
+                for t, entry in zip(toks, delta.logprobs or ()):
+                    top = sorted(entry.items(), key=lambda kv: -kv[1])[:n_logprobs]
+                    resp.logprobs.add(logprob=entry[t], top_ids=[k for k, _ in top], top_logprobs=[v for _, v in top])
                 if reason is not None:
                     cached = output.cached_tokens if output is not None else 0
                     resp.finish_reason = _REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -438,6 +442,7 @@ class GenerationServicer:
         lim.prefill_chunk, lim.page_size = a.prefill_chunk, a.page_size
         f = info.features
         f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = f.min_p = True
+        f.logprobs = not a.speculative
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
         if request.check_invariants and not a.debug_invariants:

@@ -103,6 +103,38 @@ def test_explicit_buckets(model, reference):
             LLM(model, **(kw | bad))
 
 
+def test_logprobs(model):
+    """SamplingParams.logprobs: per generated token the model's log-probability (raw logits' log-softmax; checked
+    against `Model.logits` of the whole sequence) of the sampled token and of the N most likely, in outputs and
+    stream deltas; sampled rows (temperature 50) include tokens outside the top N; requests without it get None;
+    the speculative engine and the single-request loop refuse it by name."""
+    import jax
+
+    phase1, _ = workload()
+    llm = LLM(model, page_size=16, **ENGINE_KW)
+    sps = [SamplingParams(max_new_tokens=6, logprobs=2), SamplingParams(max_new_tokens=6, temperature=50.0, seed=1,
+                                                                       logprobs=2), SamplingParams(max_new_tokens=6)]
+    outs = [llm.generate([p], sp)[0] for p, sp in zip(phase1, sps)]
+    assert outs[2].logprobs is None
+    outside = 0
+    for p, sp, o in zip(phase1, sps, outs[:2]):
+        ref = np.asarray(jax.nn.log_softmax(model.logits(p + o.token_ids), axis=-1))[len(p) - 1:-1]
+        assert len(o.logprobs) == len(o.token_ids) == 6
+        for row, t, entry in zip(ref, o.token_ids, o.logprobs):
+            top = np.argsort(-row)[: sp.logprobs]
+            assert set(entry) == {t, *top.tolist()}
+            np.testing.assert_allclose([entry[k] for k in entry], [row[k] for k in entry], atol=2e-4)
+            outside += t not in top.tolist()
+    assert outside > 0  # sampled tokens outside the top 2 (temperature 50) carry their own logprob too
+    deltas = list(llm.stream(phase1[0], sps[0]))
+    assert [e for d in deltas for e in d.logprobs] == outs[0].logprobs
+    with pytest.raises(ValueError, match="logprobs: not supported with speculative"):
+        LLM(model, page_size=16, speculative="ngram", **ENGINE_KW).generate([[1, 2]], sps[0])
+    with pytest.raises(ValueError, match="logprobs: the single-request loop"):
+        next(generate_stream(model, [1, 2], sps[0]))
+    llm.check_invariants()
+
+
 def test_min_p_reaches_the_step(model, reference):
     """min_p 1 keeps only the top token, so sampling at temperature 50 (near uniform over the vocabulary) gives
     the greedy tokens; without min_p the same seeds give others."""

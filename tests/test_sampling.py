@@ -100,6 +100,23 @@ def test_min_p_keeps_tokens_near_the_top():
     assert len(np.unique(_many(lp, N_DRAWS))) > 10  # without it, the tail is drawn too
 
 
+def test_token_logprobs(logits):
+    """`token_logprobs`: the raw logits' log-softmax at the given tokens and the MAX_LOGPROBS most likely, most likely
+    first; zeros (nothing computed) when no row wants them; `logprob_entry` keeps n of them plus the token."""
+    from k3jax.sampling import MAX_LOGPROBS, logprob_entry, token_logprobs
+
+    toks = np.arange(R, dtype=np.int32) * 3
+    lp = [np.asarray(a) for a in token_logprobs(logits, toks, np.array([-1] * (R - 1) + [0], np.int32))]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(lp[0], ref[np.arange(R), toks], atol=1e-5)
+    np.testing.assert_array_equal(lp[1], np.argsort(-ref, axis=-1, kind="stable")[:, :MAX_LOGPROBS])
+    np.testing.assert_allclose(lp[2], -np.sort(-ref, axis=-1)[:, :MAX_LOGPROBS], atol=1e-5)
+    off = token_logprobs(logits, toks, np.full(R, -1, np.int32))
+    assert all(not np.asarray(a).any() for a in off)
+    e = logprob_entry(int(toks[1]), 2, 1, lp)
+    assert set(e) == {int(toks[1])} | set(lp[1][1, :2].tolist()) and e[int(toks[1])] == lp[0][1]
+
+
 def test_empirical_distribution_matches_softmax():
     row = np.random.default_rng(1).normal(size=X).astype(np.float32) * 1.5
     for temperature in (1.0, 2.0):
@@ -131,6 +148,10 @@ def test_empirical_distribution_matches_softmax():
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=float("nan")), "min_p"),
     (dict(min_p="0.1"), "min_p"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=2.0), "logprobs"),
+    (dict(logprobs=True), "logprobs"),
     (dict(seed="abc"), "seed"),
     (dict(seed=1.5), "seed"),
     (dict(stop=[1, 2]), "stop"),

@@ -230,7 +230,7 @@ def test_model_info(server):
     assert (i.limits.max_seq_len, i.limits.max_new_tokens, i.limits.max_running) == (256, 255, 8)
     assert i.limits.max_message_bytes == MAX_MSG and i.limits.kv_pages > 0 and i.limits.state_slots > 0
     assert i.features.text_prompts and i.features.stop_token_ids and i.features.prefix_cache and i.features.overlap
-    assert i.features.ignore_eos and i.features.min_p
+    assert i.features.ignore_eos and i.features.min_p and i.features.logprobs
     assert not i.HasField("invariants")
 
 
@@ -299,6 +299,25 @@ def test_min_p(server, reference):
     assert_clean(server.target)
 
 
+def test_logprobs(server, reference_llm):
+    """GenerateRequest.logprobs: one TokenLogprobs per streamed token, the token's log-probability and the N most
+    likely (most likely first), as `LLM.generate` gives them."""
+    from k3jax import SamplingParams
+
+    want = reference_llm.generate([PROMPTS[3]], SamplingParams(max_new_tokens=MNT, logprobs=3))[0]
+    with grpc.insecure_channel(server.target) as ch:
+        resps = list(pb.GenerationStub(ch).Generate(request(PROMPTS[3], logprobs=3), metadata=MD, timeout=120))
+    toks = [t for r in resps for t in r.token_ids]
+    lps = [lp for r in resps for lp in r.logprobs]
+    assert toks == want.token_ids and len(lps) == len(toks)
+    for t, lp, entry in zip(toks, lps, want.logprobs):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
+        assert list(lp.top_ids) == [k for k, _ in top] and lp.logprob == pytest.approx(entry[t], abs=1e-4)
+        assert list(lp.top_logprobs) == pytest.approx([v for _, v in top], abs=1e-4)
+        assert lp.top_logprobs[0] >= lp.top_logprobs[-1]
+    assert_clean(server.target)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _bad_cases():
     empty_ids = pb.GenerateRequest(max_new_tokens=4)
@@ -334,6 +353,7 @@ def _bad_cases():
          "sampling.min_p"),
         ("min_p NaN", request([1], sampling=pb.SamplingParams(min_p=math.nan)), grpc.StatusCode.INVALID_ARGUMENT,
          "sampling.min_p"),
+        ("logprobs > 20", request([1], logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
         ("empty stop string", request([1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
         ("unknown stop id", request([1], stop_token_ids=[9999]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ("oversized message", request("x" * (MAX_MSG + 1000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),

@@ -193,6 +193,9 @@ class EngineCore:
         """Validate and build a request (raises ValueError naming the problem; nothing is queued)."""
         mcfg, tok = self.model.config, self.model.tokenizer
         sampling = (sampling or SamplingParams()).validate(mcfg.vocab_size)
+        if sampling.logprobs is not None and self.gamma:
+            raise ValueError("logprobs: not supported with speculative decoding yet (the verify step returns no "
+                             "log-probabilities); use an engine without speculative=")
         if isinstance(prompt, str):
             if tok is None:
                 raise ValueError("this model has no tokenizer: pass token ids")
@@ -245,7 +248,7 @@ class EngineCore:
             tw = time.perf_counter()
             tokens = collect.host()  # blocks until the device has sampled them
             wait = time.perf_counter() - tw
-            done = self.scheduler.process(collect.plan, tokens)
+            done = self.scheduler.process(collect.plan, tokens, collect.host_logprobs)
         if self.cfg.overlap:
             self.inflight = new
         if new is None and not done and self.inflight is None and self.scheduler.has_work():
@@ -353,6 +356,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     output: RequestOutput | None  # the whole output, on the last delta
+    logprobs: list[dict[int, float]] | None = None  # with SamplingParams.logprobs: one entry per new token
 
     @staticmethod
     def take(req: Request) -> "StreamDelta | None":
@@ -364,7 +368,8 @@ class StreamDelta:
             req._stream_text = 0
         new_text = req.text[req._stream_text:]
         delta = StreamDelta(req.id, req.output[req.stream_pos:n], new_text, done, req.finish_reason,
-                            req.to_output() if done else None)
+                            req.to_output() if done else None,
+                            req.logprobs[req.stream_pos:n] if req.sampling.logprobs is not None else None)
         req.stream_pos, req._stream_text = n, len(req.text)
         return delta
 

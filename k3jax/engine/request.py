@@ -26,6 +26,9 @@ class RequestOutput:
     recomputed_tokens: int  # tokens the model processed for this request (prefill, replay, resume)
     num_preemptions: int
     metrics: dict  # arrival, first_token, finish (perf_counter seconds), ttft_s, e2e_s
+    # with SamplingParams.logprobs: per generated token {token id: log-probability} (the sampled token and the
+    # most likely ones); None otherwise
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -44,6 +47,7 @@ class Request:
         self.detok = detok
         self.status = Status.WAITING
         self.output: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # per output token, with SamplingParams.logprobs
         self.text = ""
         self.finish_reason: str | None = None
         # device resources
@@ -87,4 +91,5 @@ class Request:
             request_id=self.id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), text=self.text,
             finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, recomputed_tokens=self.recomputed,
             num_preemptions=self.preemptions, metrics=m,
+            logprobs=list(self.logprobs) if self.sampling.logprobs is not None else None,
         )

@@ -18,7 +18,7 @@ import numpy as np
 
 from k3jax.model.context import StepBatch
 from k3jax.model.forward import forward, is_split
-from k3jax.sampling import request_keys, sample
+from k3jax.sampling import request_keys, sample, token_logprobs
 from k3jax.state import StateOps, init_state, init_unified_state, restore_checkpoints, snapshot_slots
 
 if TYPE_CHECKING:
@@ -168,12 +168,13 @@ class SamplingBatch:
     top_p: jax.Array  # f32[N] (1: off)
     keys: jax.Array  # u32[N, 2] raw threefry key data
     min_p: jax.Array  # f32[N] (0: off)
+    logprobs: jax.Array  # i32[N] alternatives wanted (-1: off; any row >= 0 computes `token_logprobs` for all)
 
 
 def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl,
                  shard=None):
     """Restore checkpoints -> resolve placeholders -> forward -> snapshot -> sample, all on device.
-    Returns (sampled tokens padded to prev_tokens' length, state). With a mesh (`shard`, see
+    Returns ((sampled tokens padded to prev_tokens' length, `token_logprobs` by logit row), state). With a mesh (`shard`, see
     `sharding.step.ShardedStep`) the slot copies act on whole slots, so they are local to every shard
     whatever the conv-state channel grouping; the logits and sampled tokens are replicated."""
     tokens = jnp.where(batch.tokens < 0, prev_tokens[jnp.maximum(-batch.tokens - 1, 0)], batch.tokens)
@@ -182,7 +183,8 @@ def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, sa
     logits, state = forward(params, state, batch, cfg, impl, shard)
     state = snapshot_slots(state, ops, batch.seq_slot)
     toks = sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.min_p)
-    return jnp.zeros_like(prev_tokens).at[: toks.shape[0]].set(toks), state
+    lp = token_logprobs(logits, toks, samp.logprobs)
+    return (jnp.zeros_like(prev_tokens).at[: toks.shape[0]].set(toks), lp), state
 
 
 engine_step = jax.jit(_engine_step, static_argnames=("cfg", "impl"), donate_argnames=("state",))
@@ -214,10 +216,17 @@ class InFlight:
     plan: "StepPlan"
     tokens: jax.Array  # i32[N_max] on device (speculative: i32[N, block + 1], count then tokens)
     order: np.ndarray | None = None  # speculative: the output row of each plan row
+    logprobs: tuple | None = None  # `token_logprobs` on device (plain steps), fetched only if a request wants them
 
     def host(self) -> np.ndarray:
         out = np.asarray(self.tokens)
         return out if self.order is None else out[self.order]
+
+    def host_logprobs(self) -> tuple | None:
+        """`token_logprobs`' arrays on the host (one transfer, cached), by logit row; None for a speculative step."""
+        if self.logprobs is not None and not isinstance(self.logprobs[0], np.ndarray):
+            self.logprobs = tuple(np.asarray(a) for a in self.logprobs)
+        return self.logprobs
 
 
 class ModelRunner:
@@ -269,23 +278,24 @@ class ModelRunner:
         P = self.buckets.pick(self.buckets.tokens, n_prefill_tokens, "prefill tokens") if n_prefill_tokens else 0
         return D, P, self.buckets.max_prefill_seqs if P else 0
 
-    def _run(self, packed: PackedStep, ops: StateOps, samp: SamplingBatch, snap_at=None) -> jax.Array:
+    def _run(self, packed: PackedStep, ops: StateOps, samp: SamplingBatch, snap_at=None):
+        """-> (the step's sampled tokens, `token_logprobs` by logit row, or None for a speculative step)."""
         if self.spec_block > 1 and self.sharded is not None:
             out, self.state = self.sharded(self.params, self.state, packed.batch, ops, snap_at, samp)
-            return out
+            return out, None
         if self.spec_block > 1:
             from k3jax.spec.step import spec_step
 
             out, self.state = spec_step(self.params, self.state, packed.batch, ops, snap_at, samp, self.cfg,
                                         self.impl, self.spec_block)
-            return out
+            return out, None
         if self.sharded is not None:
-            tokens, self.state = self.sharded(self.params, self.state, packed.batch, ops, self.prev, samp)
+            (tokens, lp), self.state = self.sharded(self.params, self.state, packed.batch, ops, self.prev, samp)
         else:
-            tokens, self.state = engine_step(self.params, self.state, packed.batch, ops, self.prev, samp,
-                                             self.cfg, self.impl)
+            (tokens, lp), self.state = engine_step(self.params, self.state, packed.batch, ops, self.prev, samp,
+                                                   self.cfg, self.impl)
         self.prev = tokens
-        return tokens
+        return tokens, lp
 
     def _apply_moves(self) -> None:
         """Queue the compaction copies on the stream before the step that reads the moved blocks
@@ -314,6 +324,7 @@ class ModelRunner:
         restore, snap = np.zeros(N, np.int32), np.zeros(N, np.int32)  # per sequence (decode i, prefill D + j)
         R = D * B + NP if B > 1 else N
         temp, top_p, min_p = np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.float32)  # per logit row
+        logprobs = np.full(R, -1, np.int32)
         top_k, keys = np.zeros(R, np.int32), np.zeros((R, 2), np.uint32)
         rows, seeds, positions = [], [], []
         for i, s in enumerate(seqs):
@@ -328,18 +339,20 @@ class ModelRunner:
             positions += range(s.req.scheduled_samples, s.req.scheduled_samples + len(r))
             sp = s.req.sampling
             temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            logprobs[r] = -1 if sp.logprobs is None else sp.logprobs
         if rows:
             keys[rows] = request_keys(seeds, positions)
-        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, min_p=min_p)
+        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, min_p=min_p, logprobs=logprobs)
         ops = StateOps(restore_src=restore, snap_dst=snap)
         if self.on_launch is not None:  # multi-process lockstep: every process must launch the same inputs
             self.on_launch(packed, ops, samp)
         if B == 1:
-            return InFlight(plan=plan, tokens=self._run(packed, ops, samp))
+            tokens, lp = self._run(packed, ops, samp)
+            return InFlight(plan=plan, tokens=tokens, logprobs=lp)
         snap_at = np.zeros(D, np.int32)
         snap_at[: len(plan.decode)] = [s.snap_at for s in plan.decode]
         order = np.array(list(range(len(plan.decode))) + [D + j for j in range(len(plan.prefill))], np.int64)
-        return InFlight(plan=plan, tokens=self._run(packed, ops, samp, snap_at), order=order)
+        return InFlight(plan=plan, tokens=self._run(packed, ops, samp, snap_at)[0], order=order)
 
     def warmup(self, progress=None) -> int:
         """Compile every bucket with padding-only steps (they only touch the sinks)."""
@@ -351,7 +364,7 @@ class ModelRunner:
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
             samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32),
-                                 np.zeros(R, np.float32))
+                                 np.zeros(R, np.float32), np.full(R, -1, np.int32))
             out = self._run(packed, StateOps(z, z), samp, np.zeros(D, np.int32))
             if progress is not None:
                 progress.update()

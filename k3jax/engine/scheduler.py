@@ -22,6 +22,7 @@ import time
 from k3jax.cache.pool import PagePool, SlotPool
 from k3jax.cache.radix import RadixTree
 from k3jax.engine.request import Request, Status
+from k3jax.sampling import logprob_entry
 
 POLICIES = ("marconi", "every_chunk", "leaf_only")
 
@@ -423,8 +424,9 @@ class Scheduler:
                 sp.req.scheduled_samples += 1
 
     # ---- results ------------------------------------------------------------------------------
-    def process(self, plan: StepPlan, tokens) -> list[Request]:
-        """Apply a finished step's sampled tokens. Returns the requests that got a token."""
+    def process(self, plan: StepPlan, tokens, logprobs=None) -> list[Request]:
+        """Apply a finished step's sampled tokens. Returns the requests that got a token. `logprobs`: a callable
+        returning the step's `token_logprobs` host arrays (or None), called only if a request wants them."""
         touched = []
         for row, sp in plan.rows():
             req = sp.req
@@ -439,14 +441,18 @@ class Scheduler:
                 if self._process_block(sp, tokens[row]):
                     touched.append(req)
                 continue
-            tok = tokens[row]
-            self._emit(req, int(tok[1] if self.cfg.spec_gamma else tok))
+            tok = int(tokens[row][1] if self.cfg.spec_gamma else tokens[row])
+            lp = logprobs() if req.sampling.logprobs is not None and logprobs is not None else None
+            self._emit(req, tok, None if lp is None else logprob_entry(tok, req.sampling.logprobs, row, lp))
             touched.append(req)
         return touched
 
-    def _emit(self, req: Request, tok: int) -> bool:
-        """Append one output token and apply the stop conditions. Returns whether req finished."""
+    def _emit(self, req: Request, tok: int, logprobs: dict | None = None) -> bool:
+        """Append one output token (and its `logprob_entry`) and apply the stop conditions. Returns whether req
+        finished."""
         req.output.append(tok)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         req.metrics.setdefault("first_token", time.perf_counter())
         if req.detok is not None:
             req.text += req.detok.push(tok)

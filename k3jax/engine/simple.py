@@ -37,6 +37,8 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     """
     cfg = model.config
     sampling.validate(cfg.vocab_size)
+    if sampling.logprobs is not None:
+        raise ValueError("logprobs: the single-request loop returns tokens only; use k3jax.LLM")
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt is empty")
