@@ -711,9 +711,8 @@ class Run:
             NP = r.buckets.max_prefill_seqs if P else 0
             packed = pack_step([], [], D=D, P=P, NP=NP, pages_per_seq=r.buckets.pages_per_seq, block=r.spec_block)
             N, R = D + NP, packed.batch.logit_idx.shape[0]
-            z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
-            samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32),
-                                 np.zeros(R, np.float32), np.full(R, -1, np.int32))
+            z = np.zeros(N, np.int32)
+            samp = SamplingBatch.neutral(R)
             ops = StateOps(z, z)
             if r.sharded is not None:  # placed here as the call places them: lowering with host arrays or
                 # ShapeDtypeStructs gives another jit cache key, and the warm-up would compile again

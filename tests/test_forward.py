@@ -304,8 +304,7 @@ def _step_jaxprs(cfg):
     block = pack_step([SeqWork([5, 6, 7], 3, 2, [1])], [], D=1, P=0, NP=0, pages_per_seq=PPS, block=3)
     i32 = lambda n: jnp.zeros(n, jnp.int32)
     ops = lambda n: StateOps(i32(n), i32(n))
-    samp = lambda n: SamplingBatch(jnp.zeros(n), i32(n), jnp.ones(n), jnp.zeros((n, 2), jnp.uint32), jnp.zeros(n),
-                                   i32(n) - 1)
+    samp = SamplingBatch.neutral
     yield jax.make_jaxpr(functools.partial(_engine_step, cfg=cfg, impl="xla"))(
         params, fresh_state(cfg), mixed.batch, ops(2), i32(2), samp(2)).jaxpr
     yield jax.make_jaxpr(functools.partial(_spec_step, cfg=cfg, impl="xla", block=3))(

@@ -170,6 +170,12 @@ class SamplingBatch:
     min_p: jax.Array  # f32[N] (0: off)
     logprobs: jax.Array  # i32[N] alternatives wanted (-1: off; any row >= 0 computes `token_logprobs` for all)
 
+    @classmethod
+    def neutral(cls, n: int) -> "SamplingBatch":
+        """n greedy rows with every filter and logprobs off (padding-only steps: warm-up, lowering)."""
+        return cls(temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                   keys=np.zeros((n, 2), np.uint32), min_p=np.zeros(n, np.float32), logprobs=np.full(n, -1, np.int32))
+
 
 def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl,
                  shard=None):
@@ -362,10 +368,8 @@ class ModelRunner:
             packed = pack_step([], [], D=D, P=P, NP=NP, pages_per_seq=self.buckets.pages_per_seq,
                                block=self.spec_block)
             N, R = D + NP, packed.batch.logit_idx.shape[0]
-            z, zr = np.zeros(N, np.int32), np.zeros(R, np.int32)
-            samp = SamplingBatch(np.zeros(R, np.float32), zr, np.ones(R, np.float32), np.zeros((R, 2), np.uint32),
-                                 np.zeros(R, np.float32), np.full(R, -1, np.int32))
-            out = self._run(packed, StateOps(z, z), samp, np.zeros(D, np.int32))
+            z = np.zeros(N, np.int32)
+            out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R), np.zeros(D, np.int32))
             if progress is not None:
                 progress.update()
         jax.block_until_ready((self.prev, out))
