@@ -285,6 +285,11 @@ calls() {
    1,024-token prefill chunk: 7 compiles, ~6.5 min of warm-up at call 34's ~55 s a shape) (~8 min)
    -> serve_k3_mini_buckets.json. Prediction: at 1 client ITL ~4.5-5 ms (call 37's 3.7 ms batch-1 step plus the
    host share call 40 shows), at 16 clients ~6-8 ms
+42 the issue's k3-mini decode table on an H200 with today's defaults (results/k3_mini_h200.json is session 4's,
+   before the MoE grouped-matmul and MLA kernels; call 37 ran today's on an H100): batch 1 / 16 / 64 / 256,
+   Pallas and XLA paths, with the profile's split by layer type (~5 min) -> k3_mini_h200.json. Prediction (call
+   37's H100 figures scaled by the H200's 1.4x bandwidth where the step is memory-bound): Pallas 3.0-3.5 ms at
+   batch 1, ~4 at 64, 7-8 at 256; Pallas/XLA 1.3x at 64 and 1.6-1.8x at 256. Run only on an H200
 EOF
 }
 
@@ -515,6 +520,11 @@ case "$1" in
         --requests 16 48 --prompt-len 128 2048 --output-len 64 128 --prefix-len 512 --max-running 64 \
         --max-seq-len 4096 --prefill-chunk 1024 --ready-timeout 200 --server-log "$OUT/serve_k3_mini_server.log" \
         --out "$OUT/serve_k3_mini.json"
+    ;;
+42)
+    nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "call 42 wants an H200"; exit 3; }
+    step k3_mini_h200 timeout 420 python3 bench/k3_mini_h200.py --batch 1 16 64 256 --impl pallas xla --iters 10 \
+        --profile-steps 2 --out "$OUT/k3_mini_h200.json"
     ;;
 41)
     step serve_k3_mini_buckets timeout 560 python3 bench/serve_load.py --model k3-mini --platform cuda --concurrency 1 16 \

@@ -185,7 +185,7 @@ from bench.k3_mini_h200 import classify, hlo_scopes  # noqa: E402
 from k3jax.api import Model  # noqa: E402
 from k3jax.config import ModelConfig, preset  # noqa: E402
 from k3jax.engine.engine import LLM  # noqa: E402
-from k3jax.engine.runner import SamplingBatch, SeqWork, engine_step, pack_step  # noqa: E402
+from k3jax.engine.runner import SeqWork, engine_step, pack_step  # noqa: E402
 from k3jax.model.forward import step as plain_step  # noqa: E402
 from k3jax.model.init import init_params, param_shapes  # noqa: E402
 from k3jax.sampling import SamplingParams  # noqa: E402
@@ -710,17 +710,15 @@ class Run:
         for D, P in r.buckets.shapes():
             NP = r.buckets.max_prefill_seqs if P else 0
             packed = pack_step([], [], D=D, P=P, NP=NP, pages_per_seq=r.buckets.pages_per_seq, block=r.spec_block)
-            N, R = D + NP, packed.batch.logit_idx.shape[0]
-            z = np.zeros(N, np.int32)
-            samp = SamplingBatch.neutral(R)
+            z = np.zeros(D + NP, np.int32)
             ops = StateOps(z, z)
             if r.sharded is not None:  # placed here as the call places them: lowering with host arrays or
                 # ShapeDtypeStructs gives another jit cache key, and the warm-up would compile again
-                inputs = r.sharded.replicate((packed.batch, ops, r.prev, samp))
+                inputs = r.sharded.replicate((packed.batch, ops, r.prev))
                 fns.append(lambda x=inputs: r.sharded.jitted.lower(r.params, r.state, x).compile())
             else:
-                fns.append(lambda b=packed.batch, o=ops, s=samp: engine_step.lower(
-                    r.params, r.state, b, o, r.prev, s, r.cfg, r.impl).compile())
+                fns.append(lambda b=packed.batch, o=ops: engine_step.lower(
+                    r.params, r.state, b, o, r.prev, r.cfg, r.impl).compile())
         return fns
 
     def run_correctness(self):

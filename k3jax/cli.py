@@ -52,6 +52,15 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=SamplingParams.min_p, metavar="P",
                    help="sample only from tokens at least P times as likely as the most likely one, in [0, 1]; "
                         "0 disables it (default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, metavar="R",
+                   help="divide the positive logits (multiply the negative ones) of tokens already in the prompt or "
+                        "the output by R > 0; 1 disables it (default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, metavar="P",
+                   help="subtract P from the logits of tokens already generated, in [-2, 2]; 0 disables it "
+                        "(default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, metavar="F",
+                   help="subtract F times a token's count in the output so far from its logit, in [-2, 2]; 0 "
+                        "disables it (default: %(default)s)")
     g.add_argument("--seed", type=int, default=None, metavar="S",
                    help="sampling seed for reproducible output (default: a fresh random seed per run)")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
@@ -89,7 +98,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _generate(args) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                              top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              seed=args.seed, stop=args.stop,
                               stop_token_ids=args.stop_token_id,
                               ignore_eos=args.ignore_eos)
     try:

@@ -1,12 +1,16 @@
 """Sampling: per-request `SamplingParams` and one jitted batched sampler.
 
-`sample(logits, temperature, top_k, top_p, keys, min_p)` draws one token per row with fixed shapes,
-so it compiles once per row count R. Rows with temperature 0 take the argmax of the raw logits (exact
-greedy); other rows sample softmax(logits / T) restricted to the top-k tokens (k = 0: off), to the
-top-p nucleus (the smallest set of most likely tokens whose probability reaches top_p) and to the
-tokens whose probability is at least min_p times the top token's (0: off); the top token is always
-kept. The three filters commute: min_p compares probabilities with the top one, a ratio no
-renormalisation changes.
+`sample(logits, temperature, top_k, top_p, keys, min_p, hot=)` draws one token per row with fixed shapes,
+so it compiles once per row count R and `hot` (a host-side choice: no device branch, see `sample`). Rows with
+temperature 0 take the argmax of the raw logits (exact greedy); other rows sample softmax(logits / T)
+restricted to the top-k tokens (k = 0: off), to the top-p nucleus (the smallest set of most likely tokens
+whose probability reaches top_p) and to the tokens whose probability is at least min_p times the top token's
+(0: off); the top token is always kept. The three filters commute: min_p compares probabilities with the top
+one, a ratio no renormalisation changes.
+
+Penalties (`apply_penalties`: repetition over the prompt and output tokens, presence and frequency over the
+output tokens, vLLM's definitions) change the logits before all of that, greedy rows included; the engine keeps
+each penalised request's token counts on the device (`penalized`, `count_sampled`, `penalty_counts`).
 
 Randomness is per request and reproducible: the key of a request's n-th generated token is
 `request_key(seed, n)`, a pure function of (seed, n), so a seeded request gets the same tokens
@@ -16,6 +20,7 @@ whatever else shares its batch. A request without a seed draws one once (`resolv
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import secrets
@@ -28,6 +33,8 @@ import numpy as np
 _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-6  # below this, logits / T could overflow; such rows are greedy in effect
 MAX_LOGPROBS = 20  # most alternatives a request may ask logprobs for (the step computes this many per row)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (as vLLM's and OpenAI's)
+PROMPT_BIT = 1 << 30  # penalty counts: bit 30 marks a prompt token, the low bits count the token in the output
 
 
 @dataclasses.dataclass
@@ -44,6 +51,17 @@ class SamplingParams:
     # None: off; N in [0, MAX_LOGPROBS]: each generated token's log-probability under the model (the raw
     # logits' log-softmax, before temperature and filters) plus the N most likely tokens' (RequestOutput.logprobs)
     logprobs: int | None = None
+    # penalties on the raw logits before temperature and the filters (vLLM's and SGLang's definitions):
+    # repetition divides a positive logit (multiplies a negative one) of every token in the prompt or the output
+    # so far by this (1: off); presence subtracts this from the logit of every token in the output so far;
+    # frequency subtracts this times the token's count in the output so far (0: off)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -89,6 +107,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: unknown token ids {bad[:5]} (ids lie in {bound})")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not is_real(self.repetition_penalty) or not (0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), got {v!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
@@ -168,41 +193,73 @@ def _typed_keys(keys):
     return keys
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("hot",))
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array,
-           min_p: jax.Array | None = None) -> jax.Array:
+           min_p: jax.Array | None = None, *, hot: bool = True) -> jax.Array:
     """logits f32[R, X], temperature f32[R], top_k i32[R], top_p f32[R], keys (u32[R, 2] raw
-    threefry key data or typed keys [R]), min_p f32[R] (None: off) -> token ids i32[R]."""
+    threefry key data or typed keys [R]), min_p f32[R] (None: off) -> token ids i32[R].
+
+    `hot` (static): some row may have temperature > 0. The caller decides it on the host (`is_hot`), so the step
+    has no device-side branch: XLA's GPU conditional copies its predicate to the host and blocks the dispatching
+    thread until the stream drains, which would serialise the engine's overlap. hot=False: every row is greedy
+    (the argmax, no sort); hot=True: greedy rows still get exactly the argmax."""
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    keys = _typed_keys(keys)
-
-    def draw():
-        order, masked = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
-        choice = jax.vmap(jax.random.categorical)(keys, masked)
-        tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature > 0, tok, greedy)
-
-    return jax.lax.cond(jnp.all(temperature <= 0), lambda: greedy, draw)
+    if not hot:
+        return greedy
+    order, masked = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    choice = jax.vmap(jax.random.categorical)(_typed_keys(keys), masked)
+    tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, tok, greedy)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array):
-    """The model's log-probabilities (raw logits' log-softmax) of `tokens` and the MAX_LOGPROBS most likely tokens,
-    computed only when some row wants them (want i32[R] >= 0; else zeros): logits f32[R, X], tokens i32[R] ->
-    (token f32[R], top ids i32[R, MAX_LOGPROBS], top f32[R, MAX_LOGPROBS]), most likely first."""
-    R, X = logits.shape
-    k = min(MAX_LOGPROBS, X)
+def is_hot(temperature) -> bool:
+    """Host: whether any row samples (temperature > 0): `sample`'s static `hot`."""
+    return bool((np.asarray(temperature) > 0).any())
 
-    def compute():
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        top, ids = jax.lax.top_k(logp, k)
-        return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0], ids.astype(jnp.int32), top
 
-    def off():
-        return jnp.zeros((R,), jnp.float32), jnp.zeros((R, k), jnp.int32), jnp.zeros((R, k), jnp.float32)
+def apply_penalties(logits: jax.Array, counts: jax.Array, repetition: jax.Array, presence: jax.Array,
+                    frequency: jax.Array) -> jax.Array:
+    """The penalised logits (vLLM's order: repetition over the prompt and output tokens, then frequency and
+    presence over the output tokens): logits f32[R, X]; counts i32[R, X] per token `PROMPT_BIT` if it is in the
+    prompt plus its count in the output so far; repetition / presence / frequency f32[R] (1 / 0 / 0: off, and
+    such a row comes back bit for bit)."""
+    out = counts & (PROMPT_BIT - 1)
+    r = repetition.astype(jnp.float32)[:, None]
+    logits = jnp.where(counts != 0, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency.astype(jnp.float32)[:, None] * out - presence.astype(jnp.float32)[:, None] * (out > 0)
 
-    return jax.lax.cond(jnp.any(want >= 0), compute, off)
+
+def penalized(logits: jax.Array, counts: jax.Array, rows: jax.Array, repetition: jax.Array, presence: jax.Array,
+              frequency: jax.Array) -> jax.Array:
+    """`apply_penalties` with each logit row's counts gathered from the engine's buffer counts i32[P, X] at
+    rows i32[R] (row 0 is all zeros: a row without penalties comes back bit for bit). Always computed (a gather
+    and a few elementwise passes over [R, X]): no device-side branch (see `sample`)."""
+    return apply_penalties(logits, jnp.asarray(counts)[rows], repetition, presence, frequency)
+
+
+def count_sampled(counts: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:
+    """counts i32[P, X] with each sampled token (tokens i32[R]) counted in its row (rows i32[R]; 0: not counted)."""
+    return jnp.asarray(counts).at[rows, tokens].add((rows > 0).astype(jnp.int32))
+
+
+def penalty_counts(prompt: Sequence[int], output: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Host: one request's row of penalty counts (i32[X]: `PROMPT_BIT` on its prompt tokens plus each token's
+    count in `output`), the form `apply_penalties` reads."""
+    row = np.bincount(np.asarray(output, np.int64), minlength=vocab_size).astype(np.int32)
+    row[np.asarray(prompt, np.int64)] |= PROMPT_BIT
+    return row
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array):
+    """The model's log-probabilities (raw logits' log-softmax) of `tokens` and the MAX_LOGPROBS most likely tokens:
+    logits f32[R, X], tokens i32[R] -> (token f32[R], top ids i32[R, MAX_LOGPROBS], top f32[R, MAX_LOGPROBS]), most
+    likely first. (The engine computes it only in steps where a row asks: a static choice, see `sample`.)"""
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(logp, k)
+    return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0], ids.astype(jnp.int32), top
 
 
 def logprob_entry(token: int, n: int, row: int, lp) -> dict[int, float]:
@@ -275,4 +332,5 @@ def sample_batch(logits, params: Sequence[SamplingParams], seeds: Sequence[int],
     top_k = np.array([p.top_k for p in params], np.int32)
     top_p = np.array([p.top_p for p in params], np.float32)
     min_p = np.array([p.min_p for p in params], np.float32)
-    return np.asarray(sample(logits, temperature, top_k, top_p, request_keys(seeds, positions), min_p))
+    return np.asarray(sample(logits, temperature, top_k, top_p, request_keys(seeds, positions), min_p,
+                             hot=is_hot(temperature)))

@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=None, metavar="P",
                    help="sample among the tokens at least P times as likely as the most likely one, in [0, 1] "
                         "(default: 0, off)")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="divide the positive logits (multiply the negative ones) of tokens already in the prompt or "
+                        "the output by R > 0 (default: 1, off)")
+    g.add_argument("--presence-penalty", type=float, default=None, metavar="P",
+                   help="subtract P from the logits of tokens already generated, in [-2, 2] (default: 0, off)")
+    g.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                   help="subtract F times a token's count in the output so far from its logit, in [-2, 2] "
+                        "(default: 0, off)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="finish after the token that completes STR (repeatable)")
@@ -157,7 +165,8 @@ def _generate(args, channel) -> int:
             req.token_ids.SetInParent()
     if args.max_new_tokens is not None:
         req.max_new_tokens = args.max_new_tokens
-    for f in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+              "seed"):
         v = getattr(args, f)
         if v is not None:
             if f == "seed" and v < 0:

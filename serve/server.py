@@ -253,7 +253,7 @@ class GenerationServicer:
     def parse(self, req, text_ids: list[int] | None = None):
         """(prompt ids, SamplingParams) of a GenerateRequest; RequestError names the field.
         `text_ids`: the text prompt, already tokenized."""
-        from k3jax.sampling import SamplingParams
+        from k3jax.sampling import MAX_PENALTY, SamplingParams
 
         cfg, tok = self.llm.model.config, self.llm.model.tokenizer
         vocab = cfg.vocab_size
@@ -290,6 +290,9 @@ class GenerationServicer:
         top_p = s.top_p if s.HasField("top_p") else 1.0
         top_k = s.top_k if s.HasField("top_k") else 0
         min_p = s.min_p if s.HasField("min_p") else 0.0
+        rep = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+        pres = s.presence_penalty if s.HasField("presence_penalty") else 0.0
+        freq = s.frequency_penalty if s.HasField("frequency_penalty") else 0.0
         if not (math.isfinite(temperature) and temperature >= 0):
             raise _invalid(f"sampling.temperature must be a finite number >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:  # NaN fails too
@@ -300,10 +303,17 @@ class GenerationServicer:
             raise _invalid(f"sampling.min_p must be in [0, 1] (0 disables it), got {min_p}")
         if top_k > vocab:
             raise _invalid(f"sampling.top_k={top_k} exceeds the vocabulary size {vocab}")
+        if not (math.isfinite(rep) and rep > 0):
+            raise _invalid(f"sampling.repetition_penalty must be a finite number > 0 (1 disables it), got {rep}")
+        for name, v in (("presence_penalty", pres), ("frequency_penalty", freq)):
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
+                raise _invalid(f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), "
+                               f"got {v}")
         stop = list(req.stop)
         if any(not x for x in stop):
             raise _invalid("stop: stop strings must not be empty")
         sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
                                   seed=s.seed if s.HasField("seed") else None, stop=stop or None,
                                   stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos,
                                   logprobs=req.logprobs if req.HasField("logprobs") else None)
@@ -442,7 +452,7 @@ class GenerationServicer:
         lim.prefill_chunk, lim.page_size = a.prefill_chunk, a.page_size
         f = info.features
         f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = f.min_p = True
-        f.logprobs = not a.speculative
+        f.logprobs = f.penalties = not a.speculative
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
         if request.check_invariants and not a.debug_invariants:

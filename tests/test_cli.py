@@ -123,6 +123,8 @@ def test_cli_generate_subprocess(cli_run, model, greedy):
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "2"], "top_p"),
     (["--prompt", "hi", "--min-p", "-0.5"], "min_p"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
+    (["--prompt", "hi", "--frequency-penalty", "3"], "frequency_penalty"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "hi", "--stop-token-id", "-1"], "stop_token_ids"),
     (["--prompt", "hi", "--batch-invariant", "--mesh", "tp=2"], "--batch-invariant runs on one device"),
@@ -148,6 +150,7 @@ def test_cli_help_explains_every_flag(capsys):
     text = " ".join(capsys.readouterr().out.split())  # undo line wrapping
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
                  "--stop", "--page-size", "--prefill-chunk", "--add-bos", "--show-special", "--quiet",
-                 "--batch-invariant", "--stop-token-id", "--ignore-eos"):
+                 "--batch-invariant", "--stop-token-id", "--ignore-eos", "--repetition-penalty", "--presence-penalty",
+                 "--frequency-penalty"):
         assert flag in text
     assert "(default: k3-tiny)" in text and "(default: 16)" in text and "greedy" in text

@@ -149,6 +149,64 @@ def test_min_p_reaches_the_step(model, reference):
     llm.check_invariants()
 
 
+def _penalized_greedy(model, prompt, out, sp):
+    """The greedy tokens under `sp`'s penalties from `Model.logits` of the whole sequence (host reference), and the
+    smallest top-2 margin on the way (DESIGN section 4: a mismatch must trace to a margin below 1e-4)."""
+    from k3jax.sampling import apply_penalties, penalty_counts
+
+    rows = np.asarray(model.logits(prompt + out))[len(prompt) - 1:-1]
+    f = lambda v: np.array([v], np.float32)
+    want, margin = [], np.inf
+    for j, row in enumerate(rows):
+        c = penalty_counts(prompt, out[:j], model.config.vocab_size)[None]
+        r = np.asarray(apply_penalties(row[None], c, f(sp.repetition_penalty), f(sp.presence_penalty),
+                                       f(sp.frequency_penalty)))[0]
+        want.append(int(r.argmax()))
+        margin = min(margin, float(np.diff(np.sort(r)[-2:])[0]))
+    return want, margin
+
+
+PENALTIES = [SamplingParams(max_new_tokens=10, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+             SamplingParams(max_new_tokens=10, repetition_penalty=0.4, presence_penalty=-2.0, frequency_penalty=-2.0),
+             SP, SamplingParams(max_new_tokens=10, repetition_penalty=0.7, presence_penalty=-1.0)]
+
+
+@pytest.mark.parametrize("overlap, pressure", [(True, False), (False, False), (True, True)])
+def test_penalties(model, reference, overlap, pressure):
+    """Repetition / presence / frequency penalties (vLLM's definitions) over the prompt and every generated token,
+    counted on the device as the step samples them (with overlap the host learns a token a step late): each
+    penalised request's greedy tokens equal the host reference from the whole sequence's logits, a request without
+    penalties in the same batch keeps the plain greedy tokens, the prefix cache (a repeat of the prompts restores
+    from it) and preemption under memory pressure (rows rebuilt from prompt + outputs at re-admission) change
+    nothing; the single-request loop agrees; the speculative engine refuses penalties by name."""
+    phase1, _ = workload()
+    sps = PENALTIES
+    if pressure:  # longer outputs, all penalised: requests are preempted mid-decode and resume with outputs
+        sps = [dataclasses.replace(PENALTIES[i], max_new_tokens=40) for i in (0, 1, 3, 0)]
+    llm = LLM(model, page_size=16, overlap=overlap, **(ENGINE_KW | (dict(kv_pages=26, state_slots=12) if pressure else {})))
+    res = llm.generate(phase1, sps)
+    outs = [o.token_ids for o in res]
+    assert outs[0] != reference[0] and outs[1] != reference[1]  # the penalties change the tokens
+    assert len(set(outs[1])) < len(outs[1])  # rewarded repeats (negative presence / frequency penalties)
+    for p, o, sp in zip(phase1, outs, sps):
+        if sp is SP:
+            assert o == reference[2]
+            continue
+        want, margin = _penalized_greedy(model, p, o, sp)
+        assert o == want and margin > 1e-4
+    if pressure:
+        assert sum(r.num_preemptions for r in res) >= 2
+        llm.check_invariants()
+        return
+    assert [o.token_ids for o in llm.generate(phase1, sps)] == outs  # again, from the prefix cache
+    assert llm.stats["restored_tokens"] > 0
+    assert list(generate_stream(model, phase1[0], sps[0], prefill_chunk=128, max_seq_len=512)) == outs[0]
+    llm.check_invariants()
+    if overlap:
+        with pytest.raises(ValueError, match="frequency_penalty: not supported with speculative"):
+            LLM(model, page_size=16, speculative="ngram", **ENGINE_KW).generate([[1, 2]], PENALTIES[1])
+
+
 def test_branch_point_second_sibling_restores_without_replay(model):
     llm = LLM(model, page_size=16, **ENGINE_KW)
     rng = np.random.default_rng(3)

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from k3jax.sampling import SamplingParams, request_key, request_keys, resolve_seed, sample
+from k3jax.sampling import SamplingParams, is_hot, request_key, request_keys, resolve_seed, sample
 
 R, X = 8, 64  # one compiled shape for most tests
 
@@ -24,9 +24,14 @@ def logits():
 
 
 def test_greedy_is_argmax(logits):
+    """Greedy rows get the argmax, in the greedy-only program (hot=False, no sort) and in the sampling one."""
     out = _run(logits, 0.0)
     assert out.dtype == np.int32
     np.testing.assert_array_equal(out, logits.argmax(-1))
+    zero = np.zeros(R, np.float32)
+    cold = sample(logits, zero, np.zeros(R, np.int32), np.ones(R, np.float32), request_keys(range(R), [0] * R), hot=False)
+    np.testing.assert_array_equal(np.asarray(cold), logits.argmax(-1))
+    assert not is_hot(zero) and is_hot(np.array([0.0, 0.5], np.float32))
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 100.0])
@@ -102,19 +107,56 @@ def test_min_p_keeps_tokens_near_the_top():
 
 def test_token_logprobs(logits):
     """`token_logprobs`: the raw logits' log-softmax at the given tokens and the MAX_LOGPROBS most likely, most likely
-    first; zeros (nothing computed) when no row wants them; `logprob_entry` keeps n of them plus the token."""
+    first; `logprob_entry` keeps n of them plus the token."""
     from k3jax.sampling import MAX_LOGPROBS, logprob_entry, token_logprobs
 
     toks = np.arange(R, dtype=np.int32) * 3
-    lp = [np.asarray(a) for a in token_logprobs(logits, toks, np.array([-1] * (R - 1) + [0], np.int32))]
+    lp = [np.asarray(a) for a in token_logprobs(logits, toks)]
     ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     np.testing.assert_allclose(lp[0], ref[np.arange(R), toks], atol=1e-5)
     np.testing.assert_array_equal(lp[1], np.argsort(-ref, axis=-1, kind="stable")[:, :MAX_LOGPROBS])
     np.testing.assert_allclose(lp[2], -np.sort(-ref, axis=-1)[:, :MAX_LOGPROBS], atol=1e-5)
-    off = token_logprobs(logits, toks, np.full(R, -1, np.int32))
-    assert all(not np.asarray(a).any() for a in off)
     e = logprob_entry(int(toks[1]), 2, 1, lp)
     assert set(e) == {int(toks[1])} | set(lp[1][1, :2].tolist()) and e[int(toks[1])] == lp[0][1]
+
+
+def test_penalties_against_numpy():
+    """`apply_penalties` as vLLM defines them: repetition divides positive / multiplies negative logits of tokens
+    in the prompt or the output, then frequency x output count and presence x (in the output) are subtracted;
+    neutral rows come back bit for bit; `penalized` gathers rows of the engine's buffer (row 0: untouched) and
+    `count_sampled` counts sampled tokens only in rows > 0; `penalty_counts` builds a row from the host."""
+    from k3jax.sampling import PROMPT_BIT, apply_penalties, count_sampled, penalized, penalty_counts
+
+    rng = np.random.default_rng(7)
+    X_ = 40
+    logits = rng.normal(size=(3, X_)).astype(np.float32) * 3
+    prompt, output = [1, 2, 2, 30], [2, 5, 5, 5, 39]
+    row = penalty_counts(prompt, output, X_)
+    assert row[2] == PROMPT_BIT + 1 and row[5] == 3 and row[1] == PROMPT_BIT and row[39] == 1 and row[0] == 0
+    counts = np.stack([row, row, np.zeros(X_, np.int32)])
+    rep, pres, freq = (np.array(v, np.float32) for v in ([1.5, 0.8, 1.0], [0.5, -1.0, 0.0], [0.25, 2.0, 0.0]))
+    got = np.asarray(apply_penalties(logits, counts, rep, pres, freq))
+    ref = logits.astype(np.float64).copy()
+    for i in range(3):
+        for t in range(X_):
+            if t in prompt or t in output:
+                ref[i, t] = ref[i, t] / rep[i] if ref[i, t] > 0 else ref[i, t] * rep[i]
+            n = output.count(t)
+            ref[i, t] -= freq[i] * n + pres[i] * (n > 0)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got[2], logits[2])  # neutral row: bit for bit
+    buf = np.stack([np.zeros(X_, np.int32), row, np.zeros(X_, np.int32)])
+    rows = np.array([1, 0, 2], np.int32)
+    out = np.asarray(penalized(logits, buf, rows, rep, pres, freq))
+    np.testing.assert_array_equal(out[0], got[0])
+    np.testing.assert_array_equal(out[1:], np.asarray(apply_penalties(logits[1:], buf[[0, 2]], rep[1:], pres[1:],
+                                                                      freq[1:])))
+    np.testing.assert_array_equal(np.asarray(penalized(logits, buf, np.zeros(3, np.int32), rep, pres, freq)), logits)
+    after = np.asarray(count_sampled(buf, np.array([1, 0, 2], np.int32), np.array([5, 7, 9], np.int32)))
+    want = buf.copy()
+    want[1, 5] += 1
+    want[2, 9] += 1
+    np.testing.assert_array_equal(after, want)  # row 0 (nobody's) never counts
 
 
 def test_empirical_distribution_matches_softmax():
@@ -161,6 +203,13 @@ def test_empirical_distribution_matches_softmax():
     (dict(stop_token_ids=[1, True]), "stop_token_ids"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty="2"), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(presence_penalty=float("nan")), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=True), "frequency_penalty"),
 ])
 def test_validate_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

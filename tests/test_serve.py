@@ -230,7 +230,7 @@ def test_model_info(server):
     assert (i.limits.max_seq_len, i.limits.max_new_tokens, i.limits.max_running) == (256, 255, 8)
     assert i.limits.max_message_bytes == MAX_MSG and i.limits.kv_pages > 0 and i.limits.state_slots > 0
     assert i.features.text_prompts and i.features.stop_token_ids and i.features.prefix_cache and i.features.overlap
-    assert i.features.ignore_eos and i.features.min_p and i.features.logprobs
+    assert i.features.ignore_eos and i.features.min_p and i.features.logprobs and i.features.penalties
     assert not i.HasField("invariants")
 
 
@@ -318,6 +318,20 @@ def test_logprobs(server, reference_llm):
     assert_clean(server.target)
 
 
+def test_penalties(server, reference, reference_llm):
+    """sampling.repetition_penalty / presence_penalty / frequency_penalty reach the engine: the stream is
+    `LLM.generate`'s with the same penalties, and differs from the greedy one."""
+    from k3jax import SamplingParams
+
+    kw = dict(repetition_penalty=0.4, presence_penalty=-2.0, frequency_penalty=-1.5)
+    want = reference_llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=MNT, **kw))[0].token_ids
+    with grpc.insecure_channel(server.target) as ch:
+        toks, _, _ = collect(pb.GenerationStub(ch).Generate(request(PROMPTS[1], sampling=pb.SamplingParams(**kw)),
+                                                            metadata=MD, timeout=120))
+    assert toks == want and toks != reference[1].token_ids
+    assert_clean(server.target)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _bad_cases():
     empty_ids = pb.GenerateRequest(max_new_tokens=4)
@@ -354,6 +368,14 @@ def _bad_cases():
         ("min_p NaN", request([1], sampling=pb.SamplingParams(min_p=math.nan)), grpc.StatusCode.INVALID_ARGUMENT,
          "sampling.min_p"),
         ("logprobs > 20", request([1], logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+        ("repetition_penalty 0", request([1], sampling=pb.SamplingParams(repetition_penalty=0.0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.repetition_penalty"),
+        ("repetition_penalty inf", request([1], sampling=pb.SamplingParams(repetition_penalty=math.inf)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.repetition_penalty"),
+        ("presence_penalty > 2", request([1], sampling=pb.SamplingParams(presence_penalty=2.5)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.presence_penalty"),
+        ("frequency_penalty NaN", request([1], sampling=pb.SamplingParams(frequency_penalty=math.nan)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.frequency_penalty"),
         ("empty stop string", request([1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
         ("unknown stop id", request([1], stop_token_ids=[9999]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ("oversized message", request("x" * (MAX_MSG + 1000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
@@ -504,7 +526,8 @@ def test_metrics_endpoint(server):
 
 
 # ---- command lines -----------------------------------------------------------------------------
-def test_client_cli(server, reference, capsys):
+def test_client_cli(server, reference, reference_llm, capsys):
+    from k3jax import SamplingParams
     from serve.client import main
 
     base = ["--target", server.target, "--api-key", KEY]
@@ -517,6 +540,11 @@ def test_client_cli(server, reference, capsys):
     assert "length" in out.err and f"generated {MNT}" in out.err
     assert main(base + ["generate", "--prompt", PROMPTS[3], "--max-new-tokens", str(MNT)]) == 0
     assert capsys.readouterr().out == reference[3].text + "\n"
+    pen = ["--repetition-penalty", "0.4", "--presence-penalty", "-2", "--frequency-penalty", "-1.5"]
+    assert main(base + ["generate", "--token-ids", ids, "--max-new-tokens", str(MNT), "--ids", *pen]) == 0
+    want = reference_llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=MNT, repetition_penalty=0.4,
+                                                                presence_penalty=-2.0, frequency_penalty=-1.5))[0]
+    assert [int(t) for t in capsys.readouterr().out.split()] == want.token_ids
     assert main(base + ["info"]) == 0
     assert json.loads(capsys.readouterr().out)["limits"]["max_seq_len"] == 256
     for argv in (base + ["generate", "--prompt", "hi", "--temperature", "-1"],  # refused by the server

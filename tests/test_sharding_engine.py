@@ -18,7 +18,7 @@ from k3jax.model.kda import group_channels, ungroup_channels
 from k3jax.state import StateOps, init_state, restore_checkpoints, snapshot_slots
 from sharding.mesh import parse_mesh_spec
 from sharding.step import make_sharded_step
-from tests.test_engine import ENGINE_KW, run_workload, workload
+from tests.test_engine import ENGINE_KW, PENALTIES, run_workload, workload
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
 CFG = preset("k3-tiny")
@@ -44,6 +44,11 @@ def test_engine_on_a_mesh_is_token_identical(model, unsharded, mesh):
     assert llm.stats["restored_tokens"] > 0 and llm.stats["donated_checkpoints"] > 0  # restore + snapshot ran
     state = llm.core.runner.state
     assert state.recurrent.conv.sharding.spec[3] == "tp" and state.recurrent.ssm.sharding.spec[2] == "tp"
+    if mesh == "tp=2":  # penalties: their counts replicated on the mesh, written at admission, counted in the step
+        phase1 = workload()[0]
+        want = [o.token_ids for o in LLM(model, **ENGINE_KW).generate(phase1, PENALTIES)]
+        assert [o.token_ids for o in llm.generate(phase1, PENALTIES)] == want
+        llm.check_invariants()
 
 
 def test_slot_copies_on_a_sharded_pool_with_grouped_conv_channels():

@@ -53,6 +53,7 @@ class Request:
         # device resources
         self.slot: int | None = None  # working slot
         self.extra: int | None = None  # extra-buffer slot (snapshot target), lazily allocated
+        self.pen_row: int | None = None  # with penalties, while running: its row of the runner's penalty counts
         self.snap_depth = 0  # depth of the snapshot held in `extra`
         self.snap_inflight = False  # a dispatched verify block may still write `extra`
         self.pages: list[int] = []  # page table: page ids for positions [0, len(pages) * page_size)

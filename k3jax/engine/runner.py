@@ -18,7 +18,7 @@ import numpy as np
 
 from k3jax.model.context import StepBatch
 from k3jax.model.forward import forward, is_split
-from k3jax.sampling import request_keys, sample, token_logprobs
+from k3jax.sampling import count_sampled, is_hot, penalized, penalty_counts, request_keys, sample, token_logprobs
 from k3jax.state import StateOps, init_state, init_unified_state, restore_checkpoints, snapshot_slots
 
 if TYPE_CHECKING:
@@ -169,31 +169,58 @@ class SamplingBatch:
     keys: jax.Array  # u32[N, 2] raw threefry key data
     min_p: jax.Array  # f32[N] (0: off)
     logprobs: jax.Array  # i32[N] alternatives wanted (-1: off; any row >= 0 computes `token_logprobs` for all)
+    # penalties: the row of the runner's penalty counts each logit row reads and counts its sample in (0: none)
+    pen_row: jax.Array  # i32[N]
+    repetition: jax.Array  # f32[N] (1: off)
+    presence: jax.Array  # f32[N] (0: off)
+    frequency: jax.Array  # f32[N] (0: off)
 
     @classmethod
     def neutral(cls, n: int) -> "SamplingBatch":
-        """n greedy rows with every filter and logprobs off (padding-only steps: warm-up, lowering)."""
-        return cls(temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
-                   keys=np.zeros((n, 2), np.uint32), min_p=np.zeros(n, np.float32), logprobs=np.full(n, -1, np.int32))
+        """n greedy rows with every filter, penalty and logprobs off (padding-only steps: warm-up, lowering)."""
+        zf = np.zeros(n, np.float32)
+        return cls(temperature=zf, top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                   keys=np.zeros((n, 2), np.uint32), min_p=zf, logprobs=np.full(n, -1, np.int32),
+                   pen_row=np.zeros(n, np.int32), repetition=np.ones(n, np.float32), presence=zf, frequency=zf)
 
 
-def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, samp: SamplingBatch, cfg, impl,
-                 shard=None):
-    """Restore checkpoints -> resolve placeholders -> forward -> snapshot -> sample, all on device.
-    Returns ((sampled tokens padded to prev_tokens' length, `token_logprobs` by logit row), state). With a mesh (`shard`, see
-    `sharding.step.ShardedStep`) the slot copies act on whole slots, so they are local to every shard
-    whatever the conv-state channel grouping; the logits and sampled tokens are replicated."""
+def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, cfg, impl, shard=None):
+    """Restore checkpoints -> resolve placeholders -> forward -> snapshot, all on device: (logits f32[R, X], state).
+    With a mesh (`shard`, see `sharding.step.ShardedStep`) the slot copies act on whole slots, so they are local to
+    every shard whatever the conv-state channel grouping; the logits are replicated. `sample_step` follows it.
+    No device-side branch (`lax.cond`, a while loop of unknown trip count): on a GPU XLA runs one by copying the
+    predicate to the host and blocking the dispatching thread until the stream drains, so the host could not build
+    step N+1 while the device runs step N."""
     tokens = jnp.where(batch.tokens < 0, prev_tokens[jnp.maximum(-batch.tokens - 1, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     state = restore_checkpoints(state, ops, batch.seq_slot)
     logits, state = forward(params, state, batch, cfg, impl, shard)
     state = snapshot_slots(state, ops, batch.seq_slot)
-    toks = sample(logits, samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.min_p)
-    lp = token_logprobs(logits, toks, samp.logprobs)
-    return (jnp.zeros_like(prev_tokens).at[: toks.shape[0]].set(toks), lp), state
+    return logits, state
 
 
 engine_step = jax.jit(_engine_step, static_argnames=("cfg", "impl"), donate_argnames=("state",))
+
+
+def _sample_step(logits, samp: SamplingBatch, pen, n_tokens: int, hot: bool, logprobs: bool):
+    """The step's tail: penalties -> sample -> count the samples into `pen` (i32[P, X], the penalty counts of the
+    requests with penalties, one row each: `sampling.apply_penalties`). Returns (sampled tokens padded to
+    n_tokens, `token_logprobs` of the raw logits by logit row or None, pen). `hot` / `logprobs` (static, decided
+    on the host: `sampling.is_hot`, any row asking for logprobs) choose the variant, small programs compiled
+    apart from the forward, instead of device-side branches."""
+    scored = penalized(logits, pen, samp.pen_row, samp.repetition, samp.presence, samp.frequency)
+    toks = sample(scored, samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.min_p, hot=hot)
+    lp = token_logprobs(logits, toks) if logprobs else None
+    pen = count_sampled(pen, samp.pen_row, toks)
+    return jnp.zeros((n_tokens,), jnp.int32).at[: toks.shape[0]].set(toks), lp, pen
+
+
+sample_step = jax.jit(_sample_step, static_argnames=("n_tokens", "hot", "logprobs"), donate_argnames=("pen",))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_penalty_row(pen, row, counts):
+    return pen.at[row].set(counts)
 
 MOVE_BUCKETS = (8, 64, 512, 4096)  # compaction copies per step are padded to these (one compile each)
 
@@ -262,6 +289,7 @@ class ModelRunner:
             else:
                 self.state = init_state(self.cfg, slots, pages, page_size)
             self.prev = jnp.zeros((self.n_max,), jnp.int32)
+            self.pen = jnp.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), jnp.int32)
         else:
             from sharding.step import make_sharded_step
 
@@ -275,6 +303,9 @@ class ModelRunner:
             self.params = self.sharded.shard_params(model.params)  # no copy when already laid out so
             self.state = self.sharded.init_state(slots, pages, page_size)
             self.prev = self.sharded.replicate(np.zeros((self.n_max,), np.int32))
+            self.pen = self.sharded.replicate(np.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), np.int32))
+        # penalty counts: row r > 0 belongs to the running request the scheduler gave it (`Request.pen_row`, one
+        # per running request with penalties: max_running rows), row 0 to none (its entries stay 0)
 
     def _shape(self, n_decode: int, n_prefill_tokens: int) -> tuple[int, int, int]:
         if self.buckets.single:
@@ -296,11 +327,17 @@ class ModelRunner:
                                         self.impl, self.spec_block)
             return out, None
         if self.sharded is not None:
-            (tokens, lp), self.state = self.sharded(self.params, self.state, packed.batch, ops, self.prev, samp)
+            logits, self.state = self.sharded(self.params, self.state, packed.batch, ops, self.prev)
         else:
-            (tokens, lp), self.state = engine_step(self.params, self.state, packed.batch, ops, self.prev, samp,
-                                                   self.cfg, self.impl)
+            logits, self.state = engine_step(self.params, self.state, packed.batch, ops, self.prev, self.cfg, self.impl)
+        tokens, lp = self._sample(logits, samp, is_hot(samp.temperature), bool((samp.logprobs >= 0).any()))
         self.prev = tokens
+        return tokens, lp
+
+    def _sample(self, logits, samp: SamplingBatch, hot: bool, logprobs: bool):
+        if self.sharded is not None:
+            samp = self.sharded.replicate(samp)
+        tokens, lp, self.pen = sample_step(logits, samp, self.pen, n_tokens=self.n_max, hot=hot, logprobs=logprobs)
         return tokens, lp
 
     def _apply_moves(self) -> None:
@@ -332,6 +369,11 @@ class ModelRunner:
         temp, top_p, min_p = np.zeros(R, np.float32), np.ones(R, np.float32), np.zeros(R, np.float32)  # per logit row
         logprobs = np.full(R, -1, np.int32)
         top_k, keys = np.zeros(R, np.int32), np.zeros((R, 2), np.uint32)
+        pen_row, repetition = np.zeros(R, np.int32), np.ones(R, np.float32)
+        presence, frequency = np.zeros(R, np.float32), np.zeros(R, np.float32)
+        for req in plan.pen_init:  # requests admitted by this plan with penalties: their rows from the prompt
+            row = (np.int32(req.pen_row), penalty_counts(req.prompt, req.output, self.cfg.vocab_size))
+            self.pen = _set_penalty_row(self.pen, *(row if self.sharded is None else self.sharded.replicate(row)))
         rows, seeds, positions = [], [], []
         for i, s in enumerate(seqs):
             seq = i if i < len(plan.decode) else D + (i - len(plan.decode))
@@ -346,9 +388,13 @@ class ModelRunner:
             sp = s.req.sampling
             temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
             logprobs[r] = -1 if sp.logprobs is None else sp.logprobs
+            if s.req.pen_row and s.sample and B == 1:  # (a verify block never carries penalties: the engine refuses)
+                pen_row[r], repetition[r] = s.req.pen_row, sp.repetition_penalty
+                presence[r], frequency[r] = sp.presence_penalty, sp.frequency_penalty
         if rows:
             keys[rows] = request_keys(seeds, positions)
-        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, min_p=min_p, logprobs=logprobs)
+        samp = SamplingBatch(temperature=temp, top_k=top_k, top_p=top_p, keys=keys, min_p=min_p, logprobs=logprobs,
+                             pen_row=pen_row, repetition=repetition, presence=presence, frequency=frequency)
         ops = StateOps(restore_src=restore, snap_dst=snap)
         if self.on_launch is not None:  # multi-process lockstep: every process must launch the same inputs
             self.on_launch(packed, ops, samp)
@@ -370,6 +416,11 @@ class ModelRunner:
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z = np.zeros(N, np.int32)
             out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R), np.zeros(D, np.int32))
+            if self.spec_block == 1:  # the tail's other variants (sampled rows, logprobs): small programs
+                logits = np.zeros((R, self.cfg.vocab_size), np.float32)
+                logits = jnp.asarray(logits) if self.sharded is None else self.sharded.replicate(logits)
+                for hot, lp in ((True, False), (False, True), (True, True)):
+                    out = self._sample(logits, SamplingBatch.neutral(R), hot, lp)
             if progress is not None:
                 progress.update()
         jax.block_until_ready((self.prev, out))

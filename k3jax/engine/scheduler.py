@@ -43,6 +43,9 @@ class StepPlan:
     decode: list[SeqPlan]
     prefill: list[SeqPlan]
     id: int = 0  # set when dispatched
+    # requests admitted by this plan that have penalties: the runner writes their penalty-count rows (`pen_row`,
+    # from the prompt and the outputs so far) before the step
+    pen_init: list[Request] = dataclasses.field(default_factory=list)
 
     def __bool__(self):
         return bool(self.decode or self.prefill)
@@ -94,6 +97,9 @@ class Scheduler:
         self.finished: list[Request] = []  # finished since the last drain_finished()
         self.stats = collections.Counter()
         self._fresh_ckpts: set[int] = set()  # checkpoints planted by the step being built
+        # rows of the runner's penalty counts (row 0 is nobody's): one per running request with penalties
+        self._pen_free = list(range(cfg.max_running, 0, -1))
+        self._pen_new: list[Request] = []  # admitted by the plan being built, with penalties
         self._plan_id = 0
 
     # ---- requests -----------------------------------------------------------------------------
@@ -220,6 +226,9 @@ class Scheduler:
                 self.tree.unlock(node)
             return False
         req.slot, req.status, req.plant_at = slot, Status.RUNNING, plant
+        if req.sampling.has_penalties:  # (running requests <= max_running: a row is always free)
+            req.pen_row = self._pen_free.pop()
+            self._pen_new.append(req)
         req.pages, req.owned = [], set()
         if node is not None:
             self.tree.touch(node)
@@ -252,6 +261,9 @@ class Scheduler:
                 req.extra = None
         self.pages.free(sorted(req.owned))
         self.slots.free([s for s in (req.slot, req.extra) if s is not None])
+        if req.pen_row is not None:  # a step still in flight may count into it: the next owner's init comes later
+            self._pen_free.append(req.pen_row)
+            req.pen_row = None
         if req.lock_node is not None:
             self.tree.unlock(req.lock_node)
         req.slot = req.extra = req.lock_node = None
@@ -343,6 +355,8 @@ class Scheduler:
             self._advance(req, end, snap)
             planned.add(req)
         self._fresh_ckpts.clear()
+        plan.pen_init = [r for r in self._pen_new if r.pen_row is not None]
+        self._pen_new = []
         return plan
 
     def _schedule_block(self, req: Request, plan: StepPlan, planned: set) -> bool:
@@ -473,9 +487,10 @@ class Scheduler:
 
     # ---- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Every page and slot is free or has exactly one owner; raises AssertionError otherwise."""
+        """Every page, slot and penalty row is free or has exactly one owner; raises AssertionError otherwise."""
         page_owner: dict[int, str] = {}
         slot_owner: dict[int, str] = {}
+        pen_owner: dict[int, str] = {}
 
         def own(table, ids, who):
             for i in ids:
@@ -489,9 +504,14 @@ class Scheduler:
             own(page_owner, req.owned, f"request {req.id}")
             assert req.owned <= set(req.pages), f"request {req.id} owns pages outside its page table"
             own(slot_owner, [s for s in (req.slot, req.extra) if s is not None], f"request {req.id}")
+            assert (req.pen_row is not None) == req.sampling.has_penalties, f"{req.id}: penalty row mismatch"
+            own(pen_owner, [req.pen_row] if req.pen_row is not None else [], f"request {req.id}")
+        own(pen_owner, self._pen_free, "penalty free list")
+        assert set(pen_owner) == set(range(1, self.cfg.max_running + 1)), "a penalty row is lost"
         for req in list(self.requests.values()) + self.finished:
             if req.status is not Status.RUNNING:
                 assert req.slot is None and not req.owned and req.lock_node is None, f"{req.id} leaks resources"
+                assert req.pen_row is None, f"{req.id} leaks its penalty row"
                 assert req not in self.running
         if self.tree is not None:
             self.tree.check()

@@ -11,15 +11,18 @@ import logging
 import time
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 
 from k3jax.engine.runner import SeqWork, pack_step
-from k3jax.sampling import SamplingParams, request_key, resolve_seed, sample
+from k3jax.sampling import (SamplingParams, apply_penalties, is_hot, penalty_counts, request_key, resolve_seed,
+                            sample)
 from k3jax.tokenizer import IncrementalDecoder
 
 log = logging.getLogger(__name__)
 
 SLOT = 1  # slot 0 is the padding sink
+_penalize = jax.jit(apply_penalties)
 
 
 def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, *, page_size: int = 16,
@@ -69,7 +72,12 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     top_k = np.array([sampling.top_k], np.int32)
     top_p = np.array([sampling.top_p], np.float32)
     min_p = np.array([sampling.min_p], np.float32)
+    hot = is_hot(temperature)
     seed = resolve_seed(sampling.seed)
+    # penalties: the request's counts kept on the host (this loop knows every token before the next step)
+    counts = penalty_counts(prompt, [], cfg.vocab_size)[None] if sampling.has_penalties else None
+    pen = [np.array([x], np.float32) for x in (sampling.repetition_penalty, sampling.presence_penalty,
+                                                sampling.frequency_penalty)]
 
     def run(decode, prefill, D, P_, NP):
         nonlocal state
@@ -81,7 +89,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
         t0 = time.perf_counter()
         log.info("compiling prefill (%d tokens) and decode steps", P)
         for logits in (run([], [], 0, P, 1), run([], [], 1, 0, 0)):  # padding only: sinks absorb the writes
-            np.asarray(sample(logits, temperature, top_k, top_p, request_key(0, 0)[None], min_p))
+            np.asarray(sample(logits, temperature, top_k, top_p, request_key(0, 0)[None], min_p, hot=hot))
         stats["warmup_s"] = time.perf_counter() - t0
         log.info("compiled in %.2f s", stats["warmup_s"])
 
@@ -98,7 +106,11 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     text = ""
     pos = len(prompt)
     for n in range(max_new):
-        tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None], min_p))[0])
+        if counts is not None:
+            logits = _penalize(logits, counts, *pen)
+        tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None], min_p, hot=hot))[0])
+        if counts is not None:
+            counts[0, tok] += 1
         stats["generated_tokens"] = n + 1
         yield tok
         reason = sampling.token_stop(tok, cfg.eos_token_id)
