@@ -280,7 +280,9 @@ calls() {
    split of a step (session 29: StepTiming; serve_load's step host / wait ms) -> serve_k3_mini.json. With
    overlap a step's host work runs while the previous step is on the device, so host + wait is the loop's
    period (~8 ms at 1 client, the ITL of call 34). Prediction: host ~2-3 ms, wait ~5-6 ms: the padded 64-row
-   device step sets the latency (slower in the server than call 37's 5.5 ms bench step), not the host
+   device step sets the latency (slower in the server than call 37's 5.5 ms bench step), not the host.
+   Ran in session 30 (H100): inverted, host 9.12 / wait 0.63 ms: the step's lax.conds blocked the dispatch until
+   the forward finished (bench/NOTES.md); after the fix (no device branch in the step) 3.49 / 3.94, ITL p50 7 ms
 41 call 40 with the step shapes sized to the load instead of the single bucket: --decode-buckets 1,16,64 (and the
    1,024-token prefill chunk: 7 compiles, ~6.5 min of warm-up at call 34's ~55 s a shape) (~8 min)
    -> serve_k3_mini_buckets.json. Prediction: at 1 client ITL ~4.5-5 ms (call 37's 3.7 ms batch-1 step plus the
