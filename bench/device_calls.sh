@@ -292,6 +292,12 @@ calls() {
    Pallas and XLA paths, with the profile's split by layer type (~5 min) -> k3_mini_h200.json. Prediction (call
    37's H100 figures scaled by the H200's 1.4x bandwidth where the step is memory-bound): Pallas 3.0-3.5 ms at
    batch 1, ~4 at 64, 7-8 at 256; Pallas/XLA 1.3x at 64 and 1.6-1.8x at 256. Run only on an H200
+44 images on a GPU (session 31's vision tower, never run there): tests/test_media.py on the GPU (k3-tiny, the
+   default kernels: image requests' greedy tokens against the whole sequence's logits), then bench/vision.py at
+   K3's tower size (448 / 896 / 1344-pixel squares: 256 / 1,024 / 2,304 tokens), attention in XLA's form and
+   in cuDNN's fused kernel (~4 min) -> media_gpu.txt, vision.json. Prediction: the tests pass (the image rows
+   take the same path as the table's); the tower ~3-6 ms at 448 and, with XLA's O(n^2) scores, ~60-120 ms at
+   1344 (9,216 patches, 16 heads); cuDNN 2-4x faster at 1344 with a bf16-level difference (~1e-2 of max |x|)
 EOF
 }
 
@@ -323,6 +329,11 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST_ARGS...: pytest -m gpu under a ti
 }
 
 case "$1" in
+44)
+    step media_gpu timeout 240 python3 -m pytest -p no:cacheprovider -rfEX -q tests/test_media.py
+    mv "$OUT/media_gpu.log" "$OUT/media_gpu.txt"
+    step vision timeout 300 python3 bench/vision.py --sizes 448 896 1344 --out "$OUT/vision.json"
+    ;;
 1)
     # -v: each test's name as it finishes, so a run the time limit cuts still says which ones failed
     gpu_tests tests 560 -v tests/gpu -n 8

@@ -23,6 +23,21 @@ class Model:
     tokenizer: object
     impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
     mesh: object = None  # a jax.sharding.Mesh: params laid out by sharding.rules, steps sharded on it
+    vision_params: object = None  # `k3jax.model.vision.VisionParams` of a vision model (replicated on a mesh)
+
+    def encode_images(self, images) -> list[np.ndarray]:
+        """The projector's output rows of each preprocessed image (`k3jax.model.vision.preprocess_image`:
+        (patches, grid) pairs): host arrays [tokens, hidden] in the model's dtype. One jitted program per
+        distinct grid."""
+        if self.config.vision is None or self.vision_params is None:
+            raise ValueError(f"model {self.config.name!r} has no vision tower")
+        import jax.numpy as jnp
+
+        from k3jax.model.vision import encode
+
+        dt = jnp.dtype(self.config.dtype)  # the step's `embeds` dtype (one compiled variant: `ModelRunner.warmup`)
+        return [np.asarray(encode(self.vision_params, self.config.vision, patches, (tuple(grid),)).astype(dt))
+                for patches, grid in images]
 
     def step_fn(self):
         """`(params, state, batch) -> (logits, state)`, state donated: the jitted forward, or on a mesh
@@ -42,18 +57,27 @@ class Model:
         return make_sharded_step(self.config, self.mesh, impl=self.impl, split=is_split(self.params)).init_state(
             slots, pages, page_size)
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """One plain forward over `token_ids` from an empty context: f32 logits `[T, vocab]`."""
+    def logits(self, token_ids: Sequence[int], images=None) -> np.ndarray:
+        """One plain forward over `token_ids` from an empty context: f32 logits `[T, vocab]`. `images`: a
+        vision model's images for the prompt's media placeholders (`k3jax.media.prepare`); T then counts the
+        expanded prompt."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("token_ids is empty")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        embeds = None
+        if images:
+            from k3jax.media import prepare
+
+            media = prepare(self, ids.tolist(), images)
+            ids, embeds = np.asarray(media.keyed, np.int64), media.rows(0, len(media.keyed))
         T = int(ids.size)
         P = -(-T // 64) * 64
         n_pages = -(-T // LOGITS_PAGE_SIZE)
         state = self.init_state(slots=2, pages=n_pages + 1, page_size=LOGITS_PAGE_SIZE)
-        work = SeqWork(tokens=ids.tolist(), start=0, slot=1, pages=list(range(1, n_pages + 1)), all_logits=True)
+        work = SeqWork(tokens=ids.tolist(), start=0, slot=1, pages=list(range(1, n_pages + 1)), all_logits=True,
+                       embeds=embeds)
         packed = pack_step([], [work], D=0, P=P, NP=1, pages_per_seq=n_pages, R=P)
         out, _ = self.step_fn()(self.params, state, packed.batch)
         return np.asarray(out)[packed.rows[0]]
@@ -101,4 +125,26 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
 
         split_sh = split_shardings(shardings(cfg), cfg)
     params = split_layers(params, split_sh, consume=True)
-    return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh)
+    vision = None
+    if cfg.vision is not None:
+        vision = _load_vision(name_or_dir, cfg, seed, dtype)
+        if mesh is not None:  # small: every device keeps the whole tower
+            import jax
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            vision = jax.device_put(vision, NamedSharding(mesh, PartitionSpec()))
+    return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh, vision_params=vision)
+
+
+def _load_vision(name_or_dir: str, cfg: ModelConfig, seed: int, dtype: str | None):
+    """The vision tower's parameters: from the checkpoint directory, or random (seeded apart from the text
+    weights, which do not change with it) for a preset."""
+    if os.path.isdir(name_or_dir):
+        from k3jax.weights import load_vision
+
+        return load_vision(name_or_dir, cfg, dtype=dtype)
+    import jax
+
+    from k3jax.model.vision import init_vision_params
+
+    return init_vision_params(cfg.vision, jax.random.fold_in(jax.random.PRNGKey(seed), 0x56495331), cfg.dtype)

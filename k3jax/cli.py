@@ -86,6 +86,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         "step it runs in (a prefill, a decode, a --speculative verify block), so --speculative "
                         "never changes greedy output on any backend; row-wise work runs in fixed blocks of "
                         "128 rows (slower; one device only; default: off)")
+    g.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image for a vision model (repeatable, in prompt order): a PNG/JPEG (needs Pillow) or a .npy "
+                        "uint8 [H, W, 3] array; the prompt names each with <|media_pad|>, or, with none there, the "
+                        "images go before the prompt text (runs through the engine; default: none)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to the prompt (default: off)")
     g.add_argument("--show-special", action="store_true",
                    help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
@@ -126,8 +130,19 @@ def _generate(args) -> int:
         model = k3jax.api.load_model(args.model, mesh=args.mesh)
         sampling.validate(model.config.vocab_size)
         prompt_ids = model.tokenizer.encode(args.prompt, add_bos=args.add_bos)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        images = None
+        if args.image:
+            from k3jax.media import load_image
+
+            images = [load_image(p) for p in args.image]
+            if model.config.vision is None:
+                raise ValueError(f"--image: model {model.config.name!r} has no vision tower")
+            ph = model.config.media_placeholder_token_id
+            if ph not in prompt_ids:  # no placeholders: the images come first
+                prompt_ids = [ph] * len(images) + prompt_ids
+    except (ValueError, FileNotFoundError, NotADirectoryError, OSError) as e:
         raise UserError(str(e)) from None
+    args.images = images
     load_s = time.perf_counter() - t0
     if args.batch_invariant:
         model = dataclasses.replace(model, config=model.config.replace(batch_invariant_rows=BATCH_INVARIANT_ROWS))
@@ -157,18 +172,24 @@ def _token_stream(args, model, prompt_ids, sampling, stats):
     """Generated token ids: the single-request loop, or the engine with speculative decoding."""
     from k3jax.engine.simple import generate_stream
 
-    if args.speculative is None:
+    if args.speculative is None and not args.images:
         yield from generate_stream(model, prompt_ids, sampling, page_size=args.page_size,
                                    prefill_chunk=args.prefill_chunk, warmup=True, stats=stats)
         return
     from k3jax import LLM
 
     t = time.perf_counter()
+    if args.images:
+        from k3jax.media import expand
+
+        n_prompt = len(expand(model, prompt_ids, args.images)[1])  # the expanded prompt's length, for the pool
+    else:
+        n_prompt = len(prompt_ids)
     llm = LLM(model, mesh=args.mesh, page_size=args.page_size, prefill_chunk=args.prefill_chunk, speculative=args.speculative,
               num_draft_tokens=args.num_draft_tokens, max_running=1, single_bucket=True, warmup=True,
-              max_seq_len=len(prompt_ids) + sampling.max_new_tokens)
-    stats["warmup_s"], stats["prompt_tokens"] = time.perf_counter() - t, len(prompt_ids)
-    for delta in llm.stream(prompt_ids, sampling):
+              max_seq_len=n_prompt + sampling.max_new_tokens)
+    stats["warmup_s"], stats["prompt_tokens"] = time.perf_counter() - t, n_prompt
+    for delta in llm.stream(prompt_ids, sampling, images=args.images):
         yield from delta.token_ids
         if delta.finished:
             stats["finish_reason"] = delta.output.finish_reason

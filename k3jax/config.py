@@ -25,6 +25,94 @@ BATCH_INVARIANT_ROWS = 128
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The MoonViT3d vision tower and its patch-merger projector (Kimi-K2.5's `vision_config`, which
+    K3 keeps; `k3jax.model.vision`). Field names follow the published config.json; `from_hf` also
+    reads transformers' spelling (`pos_emb_height`, ...)."""
+
+    patch_size: int = 14
+    init_pos_emb_height: int = 64  # learned 2-D position table, bicubic-resized to each image's patch grid
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4  # frames per video chunk (fixed sin-cos time embedding)
+    num_attention_heads: int = 16
+    num_hidden_layers: int = 27
+    hidden_size: int = 1152
+    intermediate_size: int = 4304
+    merge_kernel_size: tuple[int, int] = (2, 2)  # patches merged into one LM token
+    mm_projector_type: str = "patchmerger"  # LayerNorm -> Linear -> GELU -> Linear to the LM width
+    projector_ln_eps: float = 1e-5
+    text_hidden_size: int = 7168  # the projector's output width (the LM's hidden size)
+    rope_max_grid: int = 512  # the 2-D rotary table's height and width, in patches
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    max_image_tokens: int = 4096  # LM tokens per image; larger images are downscaled to fit
+
+    def __post_init__(self):
+        if self.mm_projector_type != "patchmerger":
+            raise ValueError(f"mm_projector_type {self.mm_projector_type!r} is not supported (only 'patchmerger')")
+        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError("vision hidden_size / num_attention_heads must be a multiple of 4 (2-D rotary pairs)")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
+            raise ValueError(f"merge_kernel_size must be two positive ints, got {self.merge_kernel_size!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def merge_area(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_hf(cls, raw: dict, text_hidden_size: int) -> "VisionConfig":
+        def get(key, default, *alts):
+            for k in (key, *alts):
+                if raw.get(k) is not None:
+                    return raw[k]
+            return default
+
+        d = cls()
+        return cls(
+            patch_size=int(get("patch_size", d.patch_size)),
+            init_pos_emb_height=int(get("init_pos_emb_height", d.init_pos_emb_height, "pos_emb_height")),
+            init_pos_emb_width=int(get("init_pos_emb_width", d.init_pos_emb_width, "pos_emb_width")),
+            init_pos_emb_time=int(get("init_pos_emb_time", d.init_pos_emb_time, "pos_emb_time")),
+            num_attention_heads=int(get("num_attention_heads", d.num_attention_heads, "vt_num_attention_heads")),
+            num_hidden_layers=int(get("num_hidden_layers", d.num_hidden_layers, "vt_num_hidden_layers")),
+            hidden_size=int(get("hidden_size", d.hidden_size, "vt_hidden_size")),
+            intermediate_size=int(get("intermediate_size", d.intermediate_size, "vt_intermediate_size")),
+            merge_kernel_size=tuple(int(x) for x in get("merge_kernel_size", d.merge_kernel_size)),
+            mm_projector_type=str(get("mm_projector_type", d.mm_projector_type)),
+            projector_ln_eps=float(get("projector_ln_eps", d.projector_ln_eps, "projection_layer_norm_eps")),
+            # (not `mm_hidden_size`: Moonshot's projector reads it as the vision width, vLLM as the LM's)
+            text_hidden_size=int(get("text_hidden_size", text_hidden_size)),
+            max_image_tokens=int(get("max_image_tokens", d.max_image_tokens)),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "patch_size": self.patch_size,
+            "init_pos_emb_height": self.init_pos_emb_height,
+            "init_pos_emb_width": self.init_pos_emb_width,
+            "init_pos_emb_time": self.init_pos_emb_time,
+            "pos_emb_type": "divided_fixed",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "merge_kernel_size": list(self.merge_kernel_size),
+            "video_attn_type": "spatial_temporal",
+            "merge_type": "sd2_tpool",
+            "mm_projector_type": self.mm_projector_type,
+            "mm_hidden_size": self.hidden_size,  # the published meaning: the projector's input (vision) width
+            "text_hidden_size": self.text_hidden_size,
+            "projector_hidden_act": "gelu",
+            "projector_ln_eps": self.projector_ln_eps,
+            "max_image_tokens": self.max_image_tokens,  # k3jax's preprocessing budget (not in published configs)
+        }
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = "custom"
     vocab_size: int = 163840
@@ -40,6 +128,7 @@ class ModelConfig:
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839
+    media_placeholder_token_id: int | None = 163605  # one per image token in a prompt (vision models)
 
     # layer schedule: 1-based indices of MLA ("full attention") layers; the rest are KDA
     full_attn_layers: tuple[int, ...] = ()
@@ -84,6 +173,9 @@ class ModelConfig:
     # Block Attention Residuals; None = plain residual stream
     attn_res_block_size: int | None = 12
 
+    # the vision tower + projector (None: a text-only model)
+    vision: VisionConfig | None = None
+
     extra: tuple[tuple[str, Any], ...] = field(default=(), compare=False, hash=False)
 
     def __post_init__(self):
@@ -100,6 +192,12 @@ class ModelConfig:
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if not isinstance(self.batch_invariant_rows, int) or self.batch_invariant_rows < 0:
             raise ValueError(f"batch_invariant_rows must be an int >= 0, got {self.batch_invariant_rows!r}")
+        if self.vision is not None:
+            if self.vision.text_hidden_size != self.hidden_size:
+                raise ValueError(f"vision text_hidden_size {self.vision.text_hidden_size} != hidden_size {self.hidden_size}")
+            m = self.media_placeholder_token_id
+            if m is None or not 0 <= m < self.vocab_size:
+                raise ValueError(f"a vision model needs media_placeholder_token_id in [0, {self.vocab_size}), got {m!r}")
 
     # ---- layer schedule -------------------------------------------------------------------
     @cached_property
@@ -292,6 +390,8 @@ def _from_hf_dict(raw: dict, name: str) -> ModelConfig:
         routed_expert_hidden_size=get("routed_expert_hidden_size"),
         latent_moe_use_norm=bool(get("latent_moe_use_norm", False)),
         attn_res_block_size=get("attn_res_block_size"),
+        media_placeholder_token_id=top.get("media_placeholder_token_id", get("media_placeholder_token_id", 163605)),
+        vision=VisionConfig.from_hf(top["vision_config"], int(get("hidden_size"))) if top.get("vision_config") else None,
     )
 
 
@@ -302,7 +402,9 @@ def to_hf_dict(cfg: ModelConfig, *, k3_layout: bool | None = None) -> dict:
     `text_config`; others the flat `kimi_linear` layout.
     """
     if k3_layout is None:
-        k3_layout = cfg.uses_attn_res or cfg.routed_expert_hidden_size is not None
+        k3_layout = cfg.uses_attn_res or cfg.routed_expert_hidden_size is not None or cfg.vision is not None
+    if cfg.vision is not None and not k3_layout:
+        raise ValueError("a vision model is written in the kimi_k3 layout (vision_config beside text_config)")
     full = list(cfg.full_attn_layers)
     lin = {
         "num_heads": cfg.kda_num_heads,
@@ -363,14 +465,18 @@ def to_hf_dict(cfg: ModelConfig, *, k3_layout: bool | None = None) -> dict:
     if not k3_layout:
         text["architectures"] = ["KimiLinearForCausalLM"]
         return text
-    return {
+    out = {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
+        "media_placeholder_token_id": cfg.media_placeholder_token_id,
     }
+    if cfg.vision is not None:
+        out["vision_config"] = cfg.vision.to_hf()
+    return out
 
 
 # ---- presets -----------------------------------------------------------------------------
@@ -382,6 +488,7 @@ _PRESETS: dict[str, ModelConfig] = {
         name="k3",
         full_attn_layers=_K3_FULL,
         kda_a_log_size=128,
+        vision=VisionConfig(),
     ),
     "kimi-linear-48b": ModelConfig(
         name="kimi-linear-48b",
@@ -448,6 +555,10 @@ _PRESETS: dict[str, ModelConfig] = {
         bos_token_id=256,
         eos_token_id=257,
         pad_token_id=258,
+        media_placeholder_token_id=259,
+        # a two-block MoonViT3d (8 x 8 position table): every vision feature at test size
+        vision=VisionConfig(init_pos_emb_height=8, init_pos_emb_width=8, num_attention_heads=2, num_hidden_layers=2,
+                            hidden_size=64, intermediate_size=128, text_hidden_size=256, max_image_tokens=64),
     ),
 }
 

@@ -246,9 +246,11 @@ def count_sampled(counts: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.
 
 def penalty_counts(prompt: Sequence[int], output: Sequence[int], vocab_size: int) -> np.ndarray:
     """Host: one request's row of penalty counts (i32[X]: `PROMPT_BIT` on its prompt tokens plus each token's
-    count in `output`), the form `apply_penalties` reads."""
+    count in `output`), the form `apply_penalties` reads. Media tokens of the prompt (keyed ids >= vocab_size,
+    `k3jax.media`) are not vocabulary tokens and count nowhere."""
     row = np.bincount(np.asarray(output, np.int64), minlength=vocab_size).astype(np.int32)
-    row[np.asarray(prompt, np.int64)] |= PROMPT_BIT
+    prompt = np.asarray(prompt, np.int64)
+    row[prompt[prompt < vocab_size]] |= PROMPT_BIT
     return row
 
 

@@ -51,7 +51,8 @@ _NUM_RESERVED_SPECIALS = 256  # Kimi: the special-token block after the BPE rank
 def _special_names(cfg: ModelConfig | None) -> dict[int, str]:
     names: dict[int, str] = {}
     if cfg is not None:
-        for tid, name in ((cfg.bos_token_id, "<|bos|>"), (cfg.eos_token_id, "<|eos|>"), (cfg.pad_token_id, "<|pad|>")):
+        for tid, name in ((cfg.bos_token_id, "<|bos|>"), (cfg.eos_token_id, "<|eos|>"), (cfg.pad_token_id, "<|pad|>"),
+                          (cfg.media_placeholder_token_id if cfg.vision is not None else None, "<|media_pad|>")):
             if tid is not None:
                 names.setdefault(int(tid), name)
     return names

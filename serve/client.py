@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="ask for each token's log-probability and the N most likely alternatives, in [0, 20]; shown "
                         "with --json (default: none)")
+    g.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for a vision model (repeatable, in prompt order; the prompt names each with "
+                        "<|media_pad|>): a .npy uint8 [H, W, 3] array is sent raw, any other file as encoded bytes "
+                        "that the server decodes (PNG, JPEG, ...)")
     g.add_argument("--request-id", default="", metavar="ID", help="request id (default: assigned by the server)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to a text prompt (default: off)")
     out = g.add_mutually_exclusive_group()
@@ -172,6 +176,21 @@ def _generate(args, channel) -> int:
             if f == "seed" and v < 0:
                 raise UserError(f"--seed must be >= 0, got {v}")
             setattr(req.sampling, f, v)
+    for path in args.image:
+        img = req.images.add()
+        try:
+            if path.endswith(".npy"):
+                import numpy as np
+
+                a = np.load(path)
+                if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+                    raise UserError(f"--image {path}: a .npy image must be uint8 [H, W, 3], got {a.dtype} {a.shape}")
+                img.raw.height, img.raw.width, img.raw.rgb = a.shape[0], a.shape[1], a.tobytes()
+            else:
+                with open(path, "rb") as f:
+                    img.encoded = f.read()
+        except OSError as e:
+            raise UserError(f"--image {path}: {e}") from None
     req.stop.extend(args.stop)
     req.stop_token_ids.extend(args.stop_token_id)
     req.ignore_eos = args.ignore_eos

@@ -43,6 +43,7 @@ except ImportError as e:  # reported by main() in one line
 else:
     _MISSING = None
 
+from k3jax.media import prepare as prepare_media
 from serve import pb
 from serve.metrics import Metrics
 
@@ -222,6 +223,48 @@ def _invalid(msg: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, msg)
 
 
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (decompression bombs)
+
+
+def _decode_images(msgs) -> list:
+    """GenerateRequest.images as uint8 [H, W, 3] arrays; INVALID_ARGUMENT naming the image otherwise."""
+    import numpy as np
+
+    out = []
+    for i, m in enumerate(msgs):
+        kind = m.WhichOneof("data")
+        if kind == "raw":
+            h, w, n = m.raw.height, m.raw.width, len(m.raw.rgb)
+            if h <= 0 or w <= 0:
+                raise _invalid(f"images[{i}].raw: height and width must be >= 1, got {h} x {w}")
+            if h * w > MAX_IMAGE_PIXELS:
+                raise _invalid(f"images[{i}].raw: {h} x {w} pixels is above the limit {MAX_IMAGE_PIXELS}")
+            if n != h * w * 3:
+                raise _invalid(f"images[{i}].raw.rgb has {n} bytes; height * width * 3 = {h * w * 3}")
+            out.append(np.frombuffer(m.raw.rgb, np.uint8).reshape(h, w, 3))
+        elif kind == "encoded":
+            try:
+                import io
+
+                from PIL import Image
+            except ImportError:
+                raise _invalid(f"images[{i}].encoded: this server cannot decode image files (no Pillow); send "
+                               "images[].raw") from None
+            try:
+                with Image.open(io.BytesIO(m.encoded)) as im:
+                    if im.width * im.height > MAX_IMAGE_PIXELS:
+                        raise _invalid(f"images[{i}].encoded: {im.width} x {im.height} pixels is above the limit "
+                                       f"{MAX_IMAGE_PIXELS}")
+                    out.append(np.asarray(im.convert("RGB")))
+            except RequestError:
+                raise
+            except Exception as e:  # PIL raises many types for bad data
+                raise _invalid(f"images[{i}].encoded: cannot decode the image ({type(e).__name__}: {e})") from None
+        else:
+            raise _invalid(f"images[{i}] is empty: set encoded or raw")
+    return out
+
+
 class GenerationServicer:
     """The `k3jax.v1.Generation` methods. The engine is attached by `start_engine` (after warm-up)."""
 
@@ -248,6 +291,12 @@ class GenerationServicer:
         self.metrics.bind_engine(llm.core, lambda: len(self.active))
         self.ready = True
         self.metrics.ready.set(1)
+
+    @property
+    def vision_ok(self) -> bool:
+        """Whether GenerateRequest.images is served: a vision model, no speculative decoding, one process."""
+        return (self.llm.model.config.vision is not None and not self.args.speculative
+                and getattr(self.llm.core, "channel", None) is None)
 
     # ---- request parsing ----------------------------------------------------------------------
     def parse(self, req, text_ids: list[int] | None = None):
@@ -352,8 +401,18 @@ class GenerationServicer:
             if request.WhichOneof("prompt") == "text" and len(request.text) > _BIG_TEXT and tok is not None:
                 text_ids = await asyncio.to_thread(tok.encode, request.text, add_bos=request.add_bos)  # off the loop
             ids, sampling = self.parse(request, text_ids)
+            media = None
+            if request.images:
+                if not self.vision_ok:
+                    raise _invalid("images: " + ("the model has no vision tower" if self.llm.model.config.vision is None
+                                                 else "not supported by this server (speculative or multi-process)"))
+                images = _decode_images(request.images)
+                try:  # the vision tower, off the event loop
+                    media = await asyncio.to_thread(prepare_media, self.llm.model, ids, images)
+                except ValueError as e:
+                    raise _invalid(f"images: {e}") from None
             try:
-                self.engine.add_request(ids, sampling, rid)
+                self.engine.add_request(ids, sampling, rid, images=media)
             except ValueError as e:
                 dup = "duplicate request id" in str(e)
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS if dup else grpc.StatusCode.INVALID_ARGUMENT,
@@ -363,6 +422,8 @@ class GenerationServicer:
         except RequestError as err:
             await self._refuse(context, err, rid)
             return
+        if media is not None:
+            ids = media.token_ids  # the expanded prompt: what usage counts
         self.active[rid] = t0
         log.debug("request %s: %d prompt tokens, max_new_tokens %d", rid, len(ids), sampling.max_new_tokens)
         await self._stream(rid, ids, t0, context, sampling.logprobs or 0)
@@ -464,6 +525,7 @@ class GenerationServicer:
             return info
         cfg = self.llm.model.config
         f.text_prompts = self.llm.model.tokenizer is not None
+        f.vision = self.vision_ok
         c = info.config
         c.name, c.vocab_size, c.hidden_size, c.num_layers = cfg.name, cfg.vocab_size, cfg.hidden_size, cfg.num_layers
         c.dtype, c.max_position_embeddings = cfg.dtype, cfg.max_position_embeddings
@@ -471,8 +533,11 @@ class GenerationServicer:
             c.bos_token_id = cfg.bos_token_id
         if cfg.eos_token_id is not None:
             c.eos_token_id = cfg.eos_token_id
-        c.config_json = json.dumps({k.name: getattr(cfg, k.name) for k in dataclasses.fields(cfg) if k.name != "extra"},
-                                   default=str)
+        c.config_json = json.dumps({k.name: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+                                    for k in dataclasses.fields(cfg) if k.name != "extra"
+                                    for v in (getattr(cfg, k.name),)}, default=str)
+        if cfg.vision is not None:
+            c.media_placeholder_token_id = cfg.media_placeholder_token_id
         sched = self.llm.core.scheduler
         lim.kv_pages, lim.state_slots = sched.pages.capacity, sched.slots.capacity
         llm = self.llm

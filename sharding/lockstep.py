@@ -210,6 +210,11 @@ class LockstepCore:
     def __getattr__(self, name):  # scheduler, runner, cfg, model, make_request, check_invariants, ...
         return getattr(self.core, name)
 
+    def make_request(self, prompt, sampling=None, request_id=None, images=None):
+        if images:  # the other processes would need the images, not the keyed prompt
+            raise ValueError("images: not supported by a multi-process engine yet (requests travel as token ids)")
+        return self.core.make_request(prompt, sampling, request_id)
+
     def add(self, req) -> None:
         with self._lock:
             self.core.add(req)

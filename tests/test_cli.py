@@ -128,12 +128,34 @@ def test_cli_generate_subprocess(cli_run, model, greedy):
     (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
     (["--prompt", "hi", "--stop-token-id", "-1"], "stop_token_ids"),
     (["--prompt", "hi", "--batch-invariant", "--mesh", "tp=2"], "--batch-invariant runs on one device"),
+    (["--prompt", "hi", "--image", "no_such_image.png"], "no_such_image.png"),
 ])
 def test_cli_user_errors(argv, message, capsys):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("k3jax generate: error:")
+
+
+def test_cli_image(model, tmp_path, capsys):
+    """--image (a .npy array and a PNG of the same pixels) runs the engine on the image prompt: the text of
+    `LLM.generate`'s greedy tokens; with no <|media_pad|> in the prompt the image goes first."""
+    from PIL import Image
+
+    from k3jax import LLM
+
+    img = np.random.default_rng(5).integers(0, 256, (56, 70, 3), dtype=np.uint8)
+    np.save(tmp_path / "img.npy", img)
+    Image.fromarray(img).save(tmp_path / "img.png")
+    ids = model.tokenizer.encode("Look: <|media_pad|>")
+    llm = LLM(model, max_running=1, single_bucket=True, prefill_chunk=64, max_seq_len=64)
+    want = llm.generate(ids, SamplingParams(max_new_tokens=4), images=[img])[0].text
+    first = llm.generate([259] + model.tokenizer.encode("Look: "), SamplingParams(max_new_tokens=4), images=[img])[0].text
+    for path, prompt, expect in ((tmp_path / "img.npy", "Look: <|media_pad|>", want),
+                                 (tmp_path / "img.png", "Look: ", first)):
+        assert main(["generate", "--prompt", prompt, "--image", str(path), "--max-new-tokens", "4",
+                     "--prefill-chunk", "64", "-q"]) == 0
+        assert capsys.readouterr().out == expect + "\n"
 
 
 def test_cli_error_subprocess_has_no_traceback():
@@ -151,6 +173,6 @@ def test_cli_help_explains_every_flag(capsys):
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
                  "--stop", "--page-size", "--prefill-chunk", "--add-bos", "--show-special", "--quiet",
                  "--batch-invariant", "--stop-token-id", "--ignore-eos", "--repetition-penalty", "--presence-penalty",
-                 "--frequency-penalty"):
+                 "--frequency-penalty", "--image"):
         assert flag in text
     assert "(default: k3-tiny)" in text and "(default: 16)" in text and "greedy" in text

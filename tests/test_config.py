@@ -83,8 +83,19 @@ def test_from_hf_k3_nested_text_config():
             },
         },
     }
+    assert ModelConfig.from_hf(raw).vision is None  # no vision_config: a text-only model
+    # the vision tower as Moonshot's config.json spells it (vt_* sizes; mm_hidden_size is the vision width)
+    raw["media_placeholder_token_id"] = 163605
+    raw["vision_config"] = {
+        "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
+        "pos_emb_type": "divided_fixed", "vt_num_attention_heads": 16, "vt_num_hidden_layers": 27,
+        "vt_hidden_size": 1152, "vt_intermediate_size": 4304, "merge_kernel_size": [2, 2],
+        "video_attn_type": "spatial_temporal", "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger",
+        "mm_hidden_size": 1152, "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
+    }
     cfg = ModelConfig.from_hf(raw)
     assert cfg.replace(name="k3", kda_a_log_size=128) == preset("k3")
+    assert cfg.vision.text_hidden_size == 7168 and cfg.vision.hidden_size == 1152
 
 
 def test_bad_configs_are_rejected():

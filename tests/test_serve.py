@@ -332,6 +332,40 @@ def test_penalties(server, reference, reference_llm):
     assert_clean(server.target)
 
 
+PH = 259  # k3-tiny's media placeholder token
+IMAGE = np.random.default_rng(11).integers(0, 256, (70, 98, 3), dtype=np.uint8)  # 5 x 7 patches -> 2 x 3 tokens
+
+
+def _raw(a):
+    return pb.Image(raw=pb.RawImage(height=a.shape[0], width=a.shape[1], rgb=a.tobytes()))
+
+
+def test_images(server, reference_llm):
+    """GenerateRequest.images (raw RGB and a PNG file's bytes, the same pixels) give `LLM.generate`'s tokens for
+    the image prompt; ModelInfo announces vision and the placeholder id."""
+    import io
+
+    from PIL import Image
+
+    from k3jax import SamplingParams
+
+    buf = io.BytesIO()
+    Image.fromarray(IMAGE).save(buf, format="PNG")
+    prompt = PROMPTS[1][:9] + [PH] + PROMPTS[1][9:]
+    want = reference_llm.generate(prompt, SamplingParams(max_new_tokens=MNT), images=[IMAGE])[0]
+    assert want.token_ids != reference_llm.generate(prompt, SamplingParams(max_new_tokens=MNT),
+                                                    images=[IMAGE[::-1].copy()])[0].token_ids
+    i = info(server.target, check=False)
+    assert i.features.vision and i.config.media_placeholder_token_id == PH
+    with grpc.insecure_channel(server.target) as ch:
+        stub = pb.GenerationStub(ch)
+        for img in (_raw(IMAGE), pb.Image(encoded=buf.getvalue())):
+            toks, _, last = collect(stub.Generate(request(prompt, images=[img]), metadata=MD, timeout=120))
+            assert toks == want.token_ids
+            assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert_clean(server.target)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _bad_cases():
     empty_ids = pb.GenerateRequest(max_new_tokens=4)
@@ -381,6 +415,14 @@ def _bad_cases():
         ("oversized message", request("x" * (MAX_MSG + 1000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         ("long text prompt (tokenized off the event loop)", request("y" * 20000), grpc.StatusCode.INVALID_ARGUMENT,
          "prompt"),
+        ("placeholder without image", request([1, PH, 2]), grpc.StatusCode.INVALID_ARGUMENT, "media placeholder"),
+        ("image without placeholder", request([1, 2], images=[_raw(IMAGE)]), grpc.StatusCode.INVALID_ARGUMENT,
+         "images: the prompt holds 0 media placeholder"),
+        ("raw image size", request([PH], images=[pb.Image(raw=pb.RawImage(height=4, width=4, rgb=b"x" * 47))]),
+         grpc.StatusCode.INVALID_ARGUMENT, "images[0].raw.rgb"),
+        ("undecodable image", request([PH], images=[pb.Image(encoded=b"not an image")]), grpc.StatusCode.INVALID_ARGUMENT,
+         "images[0].encoded"),
+        ("empty image", request([PH], images=[pb.Image()]), grpc.StatusCode.INVALID_ARGUMENT, "images[0] is empty"),
     ]
 
 

@@ -48,6 +48,13 @@ def test_engine_on_a_mesh_is_token_identical(model, unsharded, mesh):
         phase1 = workload()[0]
         want = [o.token_ids for o in LLM(model, **ENGINE_KW).generate(phase1, PENALTIES)]
         assert [o.token_ids for o in llm.generate(phase1, PENALTIES)] == want
+        # an image prompt: the tower's rows replicated into the sharded step (tests/test_media.py's reference)
+        from tests.test_media import image, teacher_forced
+
+        p, imgs = phase1[2][:40] + [259] + phase1[2][40:60], [image(1, 56, 84)]
+        out = llm.generate(p, SamplingParams(max_new_tokens=6), images=imgs)[0].token_ids
+        want, margin = teacher_forced(model, p, imgs, out)
+        assert out == want and margin > 1e-4
         llm.check_invariants()
 
 

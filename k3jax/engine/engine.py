@@ -21,6 +21,8 @@ from k3jax.engine.request import Request, RequestOutput, Status
 from k3jax.engine.runner import Buckets, InFlight, ModelRunner
 from k3jax.cache.unified import UnifiedMemory
 from k3jax.engine.scheduler import Scheduler, SchedulerConfig
+from k3jax.media import MediaPrompt, expand_placeholders
+from k3jax.media import prepare as prepare_media
 from k3jax.state import UnifiedGeometry
 from k3jax.sampling import SamplingParams, resolve_seed
 from k3jax.spec.drafter import NgramDrafter
@@ -189,8 +191,11 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
-        """Validate and build a request (raises ValueError naming the problem; nothing is queued)."""
+                     request_id: str | None = None, images: Sequence | None = None) -> Request:
+        """Validate and build a request (raises ValueError naming the problem; nothing is queued).
+        `images` (vision models): one per media placeholder of the prompt, in order (`k3jax.media`); the
+        vision tower runs here, in the caller's thread, unless `images` is the prompt's `MediaPrompt`, prepared
+        already (`k3jax.media.prepare`, e.g. off a server's event loop)."""
         mcfg, tok = self.model.config, self.model.tokenizer
         sampling = (sampling or SamplingParams()).validate(mcfg.vocab_size)
         if sampling.logprobs is not None and self.gamma:
@@ -211,6 +216,22 @@ class EngineCore:
                 raise ValueError(f"prompt token ids must lie in [0, {mcfg.vocab_size}); got {bad[:5]}")
         if not ids:
             raise ValueError("prompt is empty")
+        media = None
+        if images:
+            if self.gamma:
+                raise ValueError("images: not supported with speculative decoding yet; use an engine without "
+                                 "speculative=")
+            if isinstance(images, MediaPrompt):
+                media = images
+                if media.token_ids != expand_placeholders(ids, [e - s for s, e in media.spans],
+                                                          mcfg.media_placeholder_token_id)[0]:
+                    raise ValueError("the prepared media prompt was made for another prompt")
+            else:
+                media = prepare_media(self.model, ids, images)
+            ids = media.keyed
+        elif mcfg.vision is not None and mcfg.media_placeholder_token_id in ids:
+            raise ValueError(f"the prompt holds media placeholder tokens (id {mcfg.media_placeholder_token_id}) but no "
+                             "images were given")
         total = len(ids) + sampling.max_new_tokens
         if total > self.cfg.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds "
@@ -222,7 +243,7 @@ class EngineCore:
         if rid in self.scheduler.requests:
             raise ValueError(f"duplicate request id {rid!r}")
         detok = IncrementalDecoder(tok) if tok is not None else None
-        return Request(rid, ids, sampling, resolve_seed(sampling.seed), detok)
+        return Request(rid, ids, sampling, resolve_seed(sampling.seed), detok, media)
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -293,14 +314,23 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion (continuous batching) and return outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+                 progress: bool = False, images: Sequence | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching) and return outputs in prompt order.
+        `images` (vision models): for one prompt, its images (one per `<|media_pad|>` placeholder, in order);
+        for a list of prompts, one such list (or None) per prompt."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        if single:
             prompts = [prompts]
         params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        reqs = [self.core.make_request(p, s) for p, s in zip(prompts, params)]
+        if images is None:
+            media = [None] * len(prompts)
+        else:
+            media = [images] if single else list(images)
+            if len(media) != len(prompts):
+                raise ValueError(f"{len(media)} image lists for {len(prompts)} prompts (one list, or None, per prompt)")
+        reqs = [self.core.make_request(p, s, images=m) for p, s, m in zip(prompts, params, media)]
         for r in reqs:
             self.core.add(r)
         with tqdm(total=len(reqs), desc="generating", disable=not progress) as bar:
@@ -310,9 +340,10 @@ class LLM:
                 bar.update(sum(r.status is Status.FINISHED for r in reqs) - before)
         return [r.to_output() for r in reqs]
 
-    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None) -> Iterator["StreamDelta"]:
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+               images: Sequence | None = None) -> Iterator["StreamDelta"]:
         """Yield new tokens/text of one request as they arrive; the last delta has `finished` set."""
-        req = self.core.make_request(prompt, sampling)
+        req = self.core.make_request(prompt, sampling, images=images)
         self.core.add(req)
         while True:
             delta = StreamDelta.take(req)
@@ -397,14 +428,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
 
-    def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
+                    images: Sequence | None = None) -> str:
         """Validate (ValueError on bad input) and queue a request; call from the event loop."""
         if self.error is not None:
             raise RuntimeError(f"engine stopped: {self.error!r}")
         with self._lock:
             if request_id is not None and request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
-            req = self.core.make_request(prompt, sampling, request_id)
+            req = self.core.make_request(prompt, sampling, request_id, images=images)
             self._streams[req.id] = (asyncio.get_running_loop(), asyncio.Queue())
         self._cmds.put(("add", req))
         return req.id

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from k3jax.media import MediaPrompt
 from k3jax.sampling import SamplingParams
 
 
@@ -39,9 +40,11 @@ class Request:
     """Everything the scheduler tracks for one request. `fed` is the token sequence the model
     has processed or will process next (prompt, then generated tokens as they are fed back)."""
 
-    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, seed: int, detok=None):
+    def __init__(self, request_id: str, prompt: list[int], sampling: SamplingParams, seed: int, detok=None,
+                 media: MediaPrompt | None = None):
         self.id = request_id
-        self.prompt = list(prompt)
+        self.prompt = list(prompt)  # with media: image tokens keyed by image (`k3jax.media`), ids >= vocab
+        self.media = media
         self.sampling = sampling
         self.seed = seed
         self.detok = detok
@@ -78,6 +81,15 @@ class Request:
     def fed(self) -> list[int]:
         return self.prompt + self.output
 
+    def media_embeds(self, start: int, n: int):
+        """The input rows of fed tokens [start, start + n) for a step (None: all text)."""
+        return None if self.media is None else self.media.rows(start, n)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt as the model's vocabulary spells it (image tokens as the media placeholder id)."""
+        return self.prompt if self.media is None else self.media.token_ids
+
     @property
     def in_prefill(self) -> bool:
         return self.computed < self.prefill_target
@@ -89,7 +101,7 @@ class Request:
         if "finish" in m:
             m["e2e_s"] = m["finish"] - m["arrival"]
         return RequestOutput(
-            request_id=self.id, prompt_token_ids=list(self.prompt), token_ids=list(self.output), text=self.text,
+            request_id=self.id, prompt_token_ids=list(self.prompt_token_ids), token_ids=list(self.output), text=self.text,
             finish_reason=self.finish_reason, cached_tokens=self.cached_tokens, recomputed_tokens=self.recomputed,
             num_preemptions=self.preemptions, metrics=m,
             logprobs=list(self.logprobs) if self.sampling.logprobs is not None else None,

@@ -34,6 +34,7 @@ class SeqWork:
     slot: int  # recurrent slot (state read at start, written at end)
     pages: Sequence[int]  # page ids covering positions [0, start + len(tokens))
     all_logits: bool = False  # logits for every new token (else only the last)
+    embeds: np.ndarray | None = None  # [len(tokens), D] input rows of media tokens (ids >= vocab; others ignored)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,16 @@ def pack_step(decode: Sequence[SeqWork], prefill: Sequence[SeqWork], *, D: int, 
     positions[tok_idx] = np.repeat(starts, seq_len) + tok_idx - np.repeat(first_tok, seq_len)
     token_seq[tok_idx] = seq_idx[owner]
 
+    embeds = None
+    with_media = [(i, s) for i, s in enumerate(seqs) if s.embeds is not None]
+    if with_media:
+        e0 = with_media[0][1].embeds
+        embeds = np.zeros((T, e0.shape[1]), e0.dtype)
+        for i, s in with_media:
+            if s.embeds.shape != (len(s.tokens), e0.shape[1]):
+                raise ValueError(f"a sequence's embeds are {s.embeds.shape}, its tokens {len(s.tokens)}")
+            embeds[first_tok[i]: first_tok[i] + len(s.tokens)] = s.embeds
+
     seq_slot = np.zeros(N, np.int32)
     seq_start = np.zeros(N, np.int32)
     seq_len_full = np.zeros(N, np.int32)
@@ -154,6 +165,7 @@ def pack_step(decode: Sequence[SeqWork], prefill: Sequence[SeqWork], *, D: int, 
     batch = StepBatch(
         tokens=tokens, positions=positions, token_seq=token_seq, seq_slot=seq_slot, seq_start=seq_start,
         seq_len=seq_len_full, seq_tok=seq_tok, page_table=page_table, prefill_cu=cu, logit_idx=logit_idx,
+        embeds=embeds,
     )
     return PackedStep(batch=batch, rows=rows_out)
 
@@ -356,10 +368,12 @@ class ModelRunner:
             self._apply_moves()
             slot_p, page_p = self.ids[0].physical, self.ids[1].physical
             phys_slot = lambda v: slot_p([v])[0] if v else 0
-            work = lambda s: SeqWork(s.tokens, s.start, phys_slot(s.req.slot), page_p(s.req.pages))
+            work = lambda s: SeqWork(s.tokens, s.start, phys_slot(s.req.slot), page_p(s.req.pages),
+                                     embeds=s.req.media_embeds(s.start, len(s.tokens)))
         else:
             phys_slot = lambda v: v
-            work = lambda s: SeqWork(s.tokens, s.start, s.req.slot, s.req.pages)
+            work = lambda s: SeqWork(s.tokens, s.start, s.req.slot, s.req.pages,
+                                     embeds=s.req.media_embeds(s.start, len(s.tokens)))
         packed = pack_step([work(s) for s in plan.decode], [work(s) for s in plan.prefill], D=D, P=P, NP=NP,
                            pages_per_seq=self.buckets.pages_per_seq, block=self.spec_block)
         N = D + NP
@@ -407,7 +421,8 @@ class ModelRunner:
         return InFlight(plan=plan, tokens=self._run(packed, ops, samp, snap_at)[0], order=order)
 
     def warmup(self, progress=None) -> int:
-        """Compile every bucket with padding-only steps (they only touch the sinks)."""
+        """Compile every bucket with padding-only steps (they only touch the sinks); for a vision model each
+        prefill bucket also with image rows (`StepBatch.embeds`: another program)."""
         shapes = self.buckets.shapes()
         for D, P in shapes:
             NP = self.buckets.max_prefill_seqs if P else 0
@@ -416,6 +431,10 @@ class ModelRunner:
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z = np.zeros(N, np.int32)
             out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R), np.zeros(D, np.int32))
+            if P and self.cfg.vision is not None and self.spec_block == 1:
+                T = packed.batch.tokens.shape[0]
+                packed.batch.embeds = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype))
+                out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R))
             if self.spec_block == 1:  # the tail's other variants (sampled rows, logprobs): small programs
                 logits = np.zeros((R, self.cfg.vocab_size), np.float32)
                 logits = jnp.asarray(logits) if self.sharded is None else self.sharded.replicate(logits)

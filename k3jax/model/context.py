@@ -4,7 +4,8 @@
 Token layout: `tokens[:D*B]` is the decode segment (sequence i owns token slots [i*B, (i+1)*B);
 D = number of decode sequences; B = 1, or gamma+1 in a speculative verify step), `tokens[D*B:]` the
 prefill segment packed by `prefill_cu` (offsets relative to D*B).
-Sequences `[0, D)` decode, `[D, N)` prefill. Padded sequences use slot 0 and page 0 (the sinks);
+Sequences `[0, D)` decode, `[D, N)` prefill. Media (image) tokens carry ids >= vocab_size and their input
+embeddings in `embeds`. Padded sequences use slot 0 and page 0 (the sinks);
 padded tokens fall outside every sequence and are ignored. All static sizes come from array shapes,
 so a step compiles once per (T, N, NP, pages-per-sequence, R) bucket.
 """
@@ -32,6 +33,9 @@ class StepBatch:
     page_table: jax.Array  # i32[N, P] KV page ids (0 = sink)
     prefill_cu: jax.Array  # i32[NP+1] prefill-segment offsets (relative to D)
     logit_idx: jax.Array  # i32[R] packed token rows to produce logits for
+    # [T, D] input embeddings of media tokens (vision): a token id >= vocab_size takes its row here instead of
+    # the embedding table (the host keys image tokens so; `k3jax.media`). None in text-only steps (another compile)
+    embeds: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -130,13 +130,24 @@ def _ffn(params: Params, h, i: int, cfg: ModelConfig, shard=None):
         return dense_ffn(layer_slice(params.dense, j), h, cfg)
 
 
+def embed_tokens(params: Params, batch: StepBatch, cfg: ModelConfig):
+    """The step's input rows: the embedding table's, or for media tokens (ids >= vocab_size, only in a step
+    that carries `batch.embeds`) the given embeddings."""
+    tok = batch.tokens
+    if batch.embeds is None:
+        return params.embed[tok]
+    media = tok >= cfg.vocab_size
+    x = params.embed[jnp.where(media, 0, tok)]
+    return jnp.where(media[:, None], batch.embeds.astype(x.dtype), x)
+
+
 def forward_hidden(params: Params, state: DeviceState, batch: StepBatch, cfg: ModelConfig, impl: str = "xla",
                    shard=None, block: int = 1, captures: list | None = None):
     """-> (final normed hidden of the `logit_idx` rows [R, D], state). `block` > 1: a speculative
     verify step (see `StepContext`); each KDA layer appends its `VerifyCapture` to `captures`."""
     ctx = make_context(batch, cfg.kda_conv_size, block)
     eps = cfg.rms_norm_eps
-    x = params.embed[batch.tokens]
+    x = embed_tokens(params, batch, cfg)
     B = cfg.attn_res_block_size
     ar = params.attn_res
     if not B:

@@ -41,9 +41,13 @@ def _st_header(path: str) -> tuple[dict, int]:
 
 
 class _Reader:
-    """Lazy access to the tensors of one HF checkpoint directory by canonical name."""
+    """Lazy access to the tensors of one HF checkpoint directory by canonical name: the text model's
+    (`part="text"`; vision tensors are listed in `skipped`) or the vision tower's and projector's
+    (`part="vision"`, by their on-disk names; the text model's are skipped)."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, part: str = "text"):
+        if part not in ("text", "vision"):
+            raise ValueError(f"part must be 'text' or 'vision', got {part!r}")
         single = os.path.join(directory, SAFETENSORS_SINGLE)
         index = os.path.join(directory, SAFETENSORS_INDEX)
         if os.path.isfile(index):
@@ -70,6 +74,8 @@ class _Reader:
                 if name == "__metadata__" or (weight_map is not None and weight_map.get(name) != fn):
                     continue
                 canon = _canonical(name)
+                if part == "vision":
+                    canon = name if canon is None else None
                 if canon is None:
                     self.skipped.append(name)
                     continue
@@ -178,13 +184,18 @@ def _plan(cfg: ModelConfig, reader: _Reader, paths: Sequence[str]):
                     missing.append(f"{_published(n, cfg, prefix)} {_fmt(v.shapes[k])}")
         plan[path] = rows
     unexpected = [f"{reader.disk_name(n)} {_fmt(reader.info(n)[0])}" for n in present if n not in used]
+    check_tensors(f"checkpoint {reader.directory} does not match its config.json:", missing, misshaped, unexpected)
+    return plan
+
+
+def check_tensors(header: str, missing, misshaped, unexpected) -> None:
+    """Raise one ValueError under `header` listing the missing, mis-shaped and unexpected tensors, if any."""
     if missing or misshaped or unexpected:
-        lines = [f"checkpoint {reader.directory} does not match its config.json:"]
+        lines = [header]
         for what, items in (("missing", missing), ("mis-shaped", misshaped), ("unexpected", unexpected)):
             if items:
                 lines.append(f"  {len(items)} {what}: " + _listing(items))
         raise ValueError("\n".join(lines))
-    return plan
 
 
 def _fmt(shape) -> str:
@@ -287,30 +298,40 @@ def _nbytes(shape, st_dtype) -> int:
 
 
 def save_safetensors(params, cfg: ModelConfig, directory: str | os.PathLike, *, fmt: str = "published",
-                     max_shard_bytes: int | None = None, mxfp4_experts: bool = False, progress: bool = True):
+                     max_shard_bytes: int | None = None, mxfp4_experts: bool = False, progress: bool = True,
+                     vision_params=None):
     """Write `config.json` (`to_hf_dict(cfg)`) and the tensors in the published HF layout.
 
-    K3-style configs (AttnRes / LatentMoE) get the `language_model.` prefix, Kimi-Linear-style ones
-    none. `max_shard_bytes` splits the tensors over `model-0000i-of-0000n.safetensors` with a
-    `model.safetensors.index.json`. `mxfp4_experts=True` stores routed experts as MXFP4
-    (`quantize_mxfp4`: lossy, power-of-two scale per 32 inputs, round to nearest E2M1). Tensors are
-    written one layer slice at a time, so host memory stays about one slice. `params` in the stacked
-    or the per-layer layout (`load_model`'s; stacked here first).
+    K3-style configs (AttnRes / LatentMoE, or with a vision tower) get the `language_model.` prefix,
+    Kimi-Linear-style ones none. `max_shard_bytes` splits the tensors over
+    `model-0000i-of-0000n.safetensors` with a `model.safetensors.index.json`. `mxfp4_experts=True`
+    stores routed experts as MXFP4 (`quantize_mxfp4`: lossy, power-of-two scale per 32 inputs, round
+    to nearest E2M1). Tensors are written one layer slice at a time, so host memory stays about one
+    slice. `params` in the stacked or the per-layer layout (`load_model`'s; stacked here first).
+    `vision_params` (a `VisionParams`, needs `cfg.vision`) are written after the text tensors under
+    their published names (`vision_io`); without them the checkpoint has none.
     """
     from tqdm.auto import tqdm
 
     from k3jax.model.forward import stack_layers
+    from k3jax.weights.vision_io import vision_save_entries
 
     params = stack_layers(params)
 
     if fmt != "published":
         raise ValueError(f"unknown safetensors format {fmt!r}; only 'published' is written")
+    if vision_params is not None and cfg.vision is None:
+        raise ValueError("vision_params given for a config without a vision tower (cfg.vision is None)")
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    k3 = _is_k3_layout(cfg)
+    k3 = _is_k3_layout(cfg) or cfg.vision is not None  # to_hf_dict's kimi_k3 layout
     paths, leaves, _ = _leaf_paths(params)
     plan = _save_plan(cfg, paths, leaves, mxfp4_experts, _K3_PREFIX if k3 else "")
     entries = [e for *_, ents in plan for e in ents]
+    vision_stream = None
+    if vision_params is not None:
+        v_entries, vision_stream = vision_save_entries(vision_params, cfg.vision)
+        entries += [(name, shape, _NP_TO_ST[dt]) for name, shape, dt in v_entries]
 
     shards: list[list[tuple]] = [[]]
     size = 0
@@ -336,6 +357,9 @@ def save_safetensors(params, cfg: ModelConfig, directory: str | os.PathLike, *, 
                 if a.shape != shape:
                     raise AssertionError(f"{name}: produced {a.shape}, planned {shape}")
                 yield name, a
+        if vision_stream is not None:
+            for name, a in vision_stream():
+                yield name, np.ascontiguousarray(a)
 
     stream = tensors()
     weight_map = {}
