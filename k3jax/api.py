@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -14,6 +16,7 @@ from k3jax.model.forward import Params, is_split, split_layers, step
 from k3jax.state import init_state
 
 LOGITS_PAGE_SIZE = 64
+VISION_CACHE_BYTES = 512 << 20  # the vision tower's outputs a model keeps for repeated images
 
 
 @dataclasses.dataclass
@@ -24,20 +27,44 @@ class Model:
     impl: str = "auto"  # kernel choice: "auto" picks the Pallas kernels on a Hopper GPU, XLA elsewhere
     mesh: object = None  # a jax.sharding.Mesh: params laid out by sharding.rules, steps sharded on it
     vision_params: object = None  # `k3jax.model.vision.VisionParams` of a vision model (replicated on a mesh)
+    vision_cache_bytes: int = VISION_CACHE_BYTES  # the tower's outputs kept by image digest (LRU); 0: none
 
-    def encode_images(self, images) -> list[np.ndarray]:
+    def __post_init__(self):
+        self._vision_cache: collections.OrderedDict = collections.OrderedDict()  # digest -> rows (a fresh one per
+        self._vision_lock = threading.Lock()  # model, `dataclasses.replace` included: rows belong to these params)
+        self.vision_cache_hits = 0
+
+    def encode_images(self, images, keys=None) -> list[np.ndarray]:
         """The projector's output rows of each preprocessed image (`k3jax.model.vision.preprocess_image`:
         (patches, grid) pairs): host arrays [tokens, hidden] in the model's dtype. One jitted program per
-        distinct grid."""
+        patch bucket (`k3jax.model.vision.encode_image`). `keys` (one digest per image, `k3jax.media`): rows
+        already computed for a digest are reused (an LRU of at most `vision_cache_bytes`), so a repeated image
+        skips the tower."""
         if self.config.vision is None or self.vision_params is None:
             raise ValueError(f"model {self.config.name!r} has no vision tower")
         import jax.numpy as jnp
 
-        from k3jax.model.vision import encode
+        from k3jax.model.vision import encode, encode_image
 
         dt = jnp.dtype(self.config.dtype)  # the step's `embeds` dtype (one compiled variant: `ModelRunner.warmup`)
-        return [np.asarray(encode(self.vision_params, self.config.vision, patches, (tuple(grid),)).astype(dt))
-                for patches, grid in images]
+        keys = list(keys) if keys is not None else [None] * len(images)
+        out = []
+        for (patches, grid), key in zip(images, keys):
+            with self._vision_lock:
+                rows = self._vision_cache.get(key) if key is not None else None
+                if rows is not None:
+                    self._vision_cache.move_to_end(key)
+                    self.vision_cache_hits += 1
+            if rows is None:  # an image: padded to its patch bucket (one compile per bucket); a video chunk: its grid
+                fn = encode_image if grid[0] == 1 else lambda p, v, x, g: encode(p, v, x, (g,))
+                rows = np.asarray(fn(self.vision_params, self.config.vision, patches, tuple(grid)).astype(dt))
+                if key is not None and rows.nbytes <= self.vision_cache_bytes:
+                    with self._vision_lock:
+                        self._vision_cache[key] = rows
+                        while sum(r.nbytes for r in self._vision_cache.values()) > self.vision_cache_bytes:
+                            self._vision_cache.popitem(last=False)
+            out.append(rows)
+        return out
 
     def step_fn(self):
         """`(params, state, batch) -> (logits, state)`, state donated: the jitted forward, or on a mesh

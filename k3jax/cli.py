@@ -124,17 +124,21 @@ def _generate(args) -> int:
     import k3jax.api
     from k3jax.tokenizer import IncrementalDecoder
 
+    images = None
+    if args.image:  # before the model loads: a missing file fails fast
+        from k3jax.media import load_image
+
+        try:
+            images = [load_image(p) for p in args.image]
+        except (ValueError, OSError) as e:
+            raise UserError(f"--image: {e}") from None
     t0 = time.perf_counter()
     log.info("loading model %s%s", args.model, f" on mesh {args.mesh}" if args.mesh else "")
     try:
         model = k3jax.api.load_model(args.model, mesh=args.mesh)
         sampling.validate(model.config.vocab_size)
         prompt_ids = model.tokenizer.encode(args.prompt, add_bos=args.add_bos)
-        images = None
-        if args.image:
-            from k3jax.media import load_image
-
-            images = [load_image(p) for p in args.image]
+        if images:
             if model.config.vision is None:
                 raise ValueError(f"--image: model {model.config.name!r} has no vision tower")
             ph = model.config.media_placeholder_token_id

@@ -16,6 +16,7 @@ tree with image hashes the same way). A step that holds keyed tokens carries the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Sequence
 
@@ -37,6 +38,11 @@ class MediaPrompt:
     index: np.ndarray  # i32[len(keyed)]: row of `embeds` for image tokens, -1 for text
     embeds: np.ndarray  # [image tokens, hidden] the projector's output, in prompt order
     spans: list[tuple[int, int]]  # per image, its token range [start, end) in the prompt
+
+    @functools.cached_property
+    def key_ids(self) -> frozenset[int]:
+        """The image keys in the prompt (ids >= vocab_size)."""
+        return frozenset(self.keyed[s] for s, _ in self.spans)
 
     def rows(self, start: int, n: int) -> np.ndarray | None:
         """Input rows for fed tokens [start, start + n) (zeros at text tokens), or None if all are text."""
@@ -115,14 +121,17 @@ def prepare(model, ids: Sequence[int], images: Sequence) -> MediaPrompt:
     preprocess, expand the placeholders, run the vision tower (`Model.encode_images`), key the image tokens."""
     cfg = model.config
     pre, token_ids, spans = expand(model, ids, images)
-    feats = model.encode_images(pre)
+    digests = []
+    for patches, grid in pre:
+        h = hashlib.sha256(np.ascontiguousarray(patches, np.float32).tobytes())
+        h.update(np.asarray(grid, np.int64).tobytes())
+        digests.append(h.digest())
+    feats = model.encode_images(pre, keys=digests)  # a repeated image: its rows from the model's cache
     keyed = list(token_ids)
     index = np.full(len(token_ids), -1, np.int32)
     row = 0
-    for (patches, grid), (s, e) in zip(pre, spans):
-        h = hashlib.sha256(np.ascontiguousarray(patches, np.float32).tobytes())
-        h.update(np.asarray(grid, np.int64).tobytes())
-        keyed[s:e] = [image_key(cfg.vocab_size, h.digest())] * (e - s)
+    for digest, (s, e) in zip(digests, spans):
+        keyed[s:e] = [image_key(cfg.vocab_size, digest)] * (e - s)
         index[s:e] = np.arange(row, row + e - s)
         row += e - s
     embeds = np.concatenate([np.asarray(f) for f in feats], axis=0)

@@ -294,9 +294,8 @@ class GenerationServicer:
 
     @property
     def vision_ok(self) -> bool:
-        """Whether GenerateRequest.images is served: a vision model, no speculative decoding, one process."""
-        return (self.llm.model.config.vision is not None and not self.args.speculative
-                and getattr(self.llm.core, "channel", None) is None)
+        """Whether GenerateRequest.images is served: a vision model in one process."""
+        return self.llm.model.config.vision is not None and getattr(self.llm.core, "channel", None) is None
 
     # ---- request parsing ----------------------------------------------------------------------
     def parse(self, req, text_ids: list[int] | None = None):
@@ -405,7 +404,7 @@ class GenerationServicer:
             if request.images:
                 if not self.vision_ok:
                     raise _invalid("images: " + ("the model has no vision tower" if self.llm.model.config.vision is None
-                                                 else "not supported by this server (speculative or multi-process)"))
+                                                 else "not supported by a multi-process server yet"))
                 images = _decode_images(request.images)
                 try:  # the vision tower, off the event loop
                     media = await asyncio.to_thread(prepare_media, self.llm.model, ids, images)

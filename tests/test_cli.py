@@ -138,24 +138,26 @@ def test_cli_user_errors(argv, message, capsys):
 
 
 def test_cli_image(model, tmp_path, capsys):
-    """--image (a .npy array and a PNG of the same pixels) runs the engine on the image prompt: the text of
-    `LLM.generate`'s greedy tokens; with no <|media_pad|> in the prompt the image goes first."""
+    """--image (a PNG; Pillow decodes it) runs the engine on the image prompt and prints the text of
+    `LLM.generate`'s greedy tokens; with no <|media_pad|> in the prompt the image goes first. A .npy image loads
+    as the same array."""
     from PIL import Image
 
     from k3jax import LLM
+    from k3jax.media import load_image, prepare
 
     img = np.random.default_rng(5).integers(0, 256, (56, 70, 3), dtype=np.uint8)
     np.save(tmp_path / "img.npy", img)
     Image.fromarray(img).save(tmp_path / "img.png")
-    ids = model.tokenizer.encode("Look: <|media_pad|>")
-    llm = LLM(model, max_running=1, single_bucket=True, prefill_chunk=64, max_seq_len=64)
+    np.testing.assert_array_equal(load_image(str(tmp_path / "img.npy")), img)
+    np.testing.assert_array_equal(load_image(str(tmp_path / "img.png")), img)
+    ids = [259] + model.tokenizer.encode("Look: ")
+    n_prompt = len(prepare(model, ids, [img]).keyed)  # the CLI's engine shapes: its compiles are these
+    llm = LLM(model, max_running=1, single_bucket=True, prefill_chunk=64, max_seq_len=n_prompt + 4)
     want = llm.generate(ids, SamplingParams(max_new_tokens=4), images=[img])[0].text
-    first = llm.generate([259] + model.tokenizer.encode("Look: "), SamplingParams(max_new_tokens=4), images=[img])[0].text
-    for path, prompt, expect in ((tmp_path / "img.npy", "Look: <|media_pad|>", want),
-                                 (tmp_path / "img.png", "Look: ", first)):
-        assert main(["generate", "--prompt", prompt, "--image", str(path), "--max-new-tokens", "4",
-                     "--prefill-chunk", "64", "-q"]) == 0
-        assert capsys.readouterr().out == expect + "\n"
+    assert main(["generate", "--prompt", "Look: ", "--image", str(tmp_path / "img.png"), "--max-new-tokens", "4",
+                 "--prefill-chunk", "64", "-q"]) == 0
+    assert capsys.readouterr().out == want + "\n"
 
 
 def test_cli_error_subprocess_has_no_traceback():

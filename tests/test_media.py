@@ -63,7 +63,10 @@ def test_image_rows_reach_the_model(model):
     s, e = a.spans[0]
     assert (s, e) == (30, 50) and a.token_ids[s:e] == [PH] * 20 and len(set(a.keyed[s:e])) == 1
     assert a.keyed[s] >= model.config.vocab_size and a.keyed[s] != b.keyed[s]
-    assert prepare(model, prompt, [image(1)]).keyed == a.keyed
+    hits = model.vision_cache_hits
+    again = prepare(model, prompt, [image(1)])  # the tower's rows from the model's cache
+    assert again.keyed == a.keyed and model.vision_cache_hits == hits + 1
+    np.testing.assert_array_equal(again.embeds, a.embeds)
     np.testing.assert_array_equal(a.rows(s - 2, 4)[2:], a.embeds[:2])
     assert a.rows(0, s) is None and not a.rows(s - 2, 4)[:2].any()
     la, lb = model.logits(prompt, [image(1)]), model.logits(prompt, [image(2)])
@@ -114,8 +117,6 @@ def test_image_requests_refused_by_name(model):
     text_only = dataclasses.replace(model, config=model.config.replace(vision=None), vision_params=None)
     with pytest.raises(ValueError, match="has no vision tower"):
         LLM(text_only, page_size=16, **ENGINE_KW).generate(p, SP, images=[image(1)])
-    with pytest.raises(ValueError, match="images: not supported with speculative"):
-        LLM(model, page_size=16, speculative="ngram", **ENGINE_KW).generate(p, SP, images=[image(1)])
     prepared = prepare(model, p, [image(1)])
     assert isinstance(prepared, MediaPrompt)
     with pytest.raises(ValueError, match="made for another prompt"):
@@ -136,3 +137,50 @@ def test_warmup_compiles_the_image_step(model):
     with count_compiles() as compiles:
         out = llm.generate(p, SP, images=media)[0]
     assert compiles() == 0 and len(out.token_ids) == SP.max_new_tokens
+
+
+def test_vision_cache_is_bounded_and_per_model(model):
+    """The tower's outputs are kept by image digest within `vision_cache_bytes` (LRU); a replaced model (other
+    params) starts with an empty cache."""
+    small = dataclasses.replace(model, vision_cache_bytes=20 * 256 * 4)  # one 20-token image of width 256, f32
+    assert small.vision_cache_hits == 0 and not small._vision_cache
+    p = [PH]
+    prepare(small, p, [image(1)])
+    prepare(small, p, [image(1)])
+    assert small.vision_cache_hits == 1
+    prepare(small, p, [image(2)])  # evicts image 1
+    prepare(small, p, [image(1)])
+    assert small.vision_cache_hits == 1 and len(small._vision_cache) == 1
+
+
+def test_speculative_decoding_with_images(model):
+    """Verify blocks after an image prompt give the plain greedy tokens: with an oracle drafter (accepted drafts)
+    and with a drafter proposing an image key first (an n-gram lookup can continue into the prompt's image):
+    the scheduler cuts a draft before a key, so no verify block carries one."""
+    from k3jax.spec.drafter import OracleDrafter
+
+    p, imgs = text(11, 30) + [PH] + text(12, 8), [image(6)]
+    plain = LLM(model, page_size=16, **ENGINE_KW).generate(p, SP, images=imgs)[0].token_ids
+    keyed = prepare(model, p, imgs).keyed
+    key = keyed[30]
+    assert key >= model.config.vocab_size
+    scheduled = []
+
+    class KeyFirst:  # proposes the image's key, then the right continuation
+        def propose(self, k, tokens, gamma, hidden=None):
+            n = len(tokens) - len(keyed)
+            return ([key] + plain[n: n + gamma])[:gamma]
+
+        def forget(self, k):
+            pass
+
+    for drafter in (KeyFirst(), OracleDrafter({tuple(keyed): plain}, model.config.vocab_size)):
+        llm = LLM(model, page_size=16, speculative=drafter, num_draft_tokens=3, **ENGINE_KW)
+        launch = llm.core.runner.launch
+        llm.core.runner.launch = lambda plan: (scheduled.extend(t for s in plan.decode for t in s.tokens), launch(plan))[1]
+        assert llm.generate(p, SP, images=imgs)[0].token_ids == plain
+        llm.check_invariants()
+        if isinstance(drafter, KeyFirst):
+            assert llm.stats["spec_drafted"] == 0  # every proposal was cut at its first token
+    assert scheduled and max(scheduled) < model.config.vocab_size
+    assert llm.stats["spec_accepted"] > 0

@@ -46,7 +46,7 @@ def test_byte_invalid_utf8_is_replaced(byte_tok):
 
 def test_byte_tokenizer_needs_room_for_bytes():
     with pytest.raises(ValueError, match="at least 256"):
-        ByteTokenizer(CFG.replace(vocab_size=200, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+        ByteTokenizer(CFG.replace(vocab_size=200, bos_token_id=None, eos_token_id=None, pad_token_id=None, vision=None))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -131,7 +131,7 @@ def test_tiktoken_without_model_config(tik_dir):
 def test_load_tokenizer_fallbacks(tmp_path):
     assert isinstance(load_tokenizer(None, CFG), ByteTokenizer)
     assert isinstance(load_tokenizer(tmp_path, CFG), ByteTokenizer)  # no vocabulary, 512 ids fit bytes
-    small = CFG.replace(vocab_size=100, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    small = CFG.replace(vocab_size=100, bos_token_id=None, eos_token_id=None, pad_token_id=None, vision=None)
     with pytest.raises(FileNotFoundError, match="tiktoken.model"):
         load_tokenizer(tmp_path, small)
     with pytest.raises(FileNotFoundError):

@@ -352,3 +352,28 @@ def test_vision_errors_name_the_tensor(ckpt, tmp_path, case):
     assert case.replace("misshaped", "mis-shaped") in str(e.value)
     if case == "misshaped":
         assert "[128, 64]" in str(e.value) and "[64, 128]" in str(e.value)
+
+
+def test_encode_image_buckets_match_encode():
+    """`encode_image` (one image padded to a power-of-two patch bucket, padding keys masked) gives `encode`'s rows,
+    at the position table's own size and resized, and compiles once for two grids of one bucket."""
+    from k3jax.compiles import count_compiles
+
+    vc = preset("k3-tiny").vision
+    params = V.init_vision_params(vc, jax.random.PRNGKey(3))
+    assert [V.patch_bucket(n) for n in (1, 256, 257, 1024, 1025, 9216)] == [256, 256, 512, 1024, 2048, 9216]
+    rng = np.random.default_rng(4)
+    grids = [(1, 8, 8), (1, 8, 10), (1, 16, 4), (1, 6, 12)]  # 64 / 80 / 64 / 72 patches: all in bucket 256
+    for i, g in enumerate(grids):
+        patches = rng.normal(size=(g[1] * g[2], 3 * vc.patch_size ** 2)).astype(np.float32)
+        want = np.asarray(V.encode(params, vc, patches, (g,)))
+        if i == 2:
+            with count_compiles() as compiles:
+                got = np.asarray(V.encode_image(params, vc, patches, g))
+            assert compiles() == 0  # same bucket as the grids before
+        else:
+            got = np.asarray(V.encode_image(params, vc, patches, g))
+        assert got.shape == want.shape == (V.num_image_tokens(g, vc), vc.text_hidden_size)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    with pytest.raises(ValueError, match="single images"):
+        V.encode_image(params, vc, np.zeros((2 * 16, 3 * 14 * 14), np.float32), (2, 4, 4))

@@ -218,9 +218,6 @@ class EngineCore:
             raise ValueError("prompt is empty")
         media = None
         if images:
-            if self.gamma:
-                raise ValueError("images: not supported with speculative decoding yet; use an engine without "
-                                 "speculative=")
             if isinstance(images, MediaPrompt):
                 media = images
                 if media.token_ids != expand_placeholders(ids, [e - s for s, e in media.spans],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 
 from k3jax.cache.pool import PagePool, SlotPool
@@ -368,6 +369,8 @@ class Scheduler:
         assert req.computed == len(req.fed) - 1, f"{req.id}: a verify block starts at the last sampled token"
         remaining = req.sampling.max_new_tokens - len(req.output)
         drafts = self.drafter.propose(req.id, req.fed, min(self.cfg.spec_gamma, remaining - 1))
+        if req.media is not None:  # a generated token is never an image key: a draft stops before one
+            drafts = list(itertools.takewhile(lambda t: t not in req.media.key_ids, drafts))
         n = 1 + len(drafts)
         if not self._grow(req, req.computed + n, planned, preempt=True):
             return False  # nothing left to preempt; it waits for memory
