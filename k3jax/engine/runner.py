@@ -431,10 +431,10 @@ class ModelRunner:
             N, R = D + NP, packed.batch.logit_idx.shape[0]
             z = np.zeros(N, np.int32)
             out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R), np.zeros(D, np.int32))
-            if P and self.cfg.vision is not None and self.spec_block == 1:
+            if P and self.cfg.vision is not None:
                 T = packed.batch.tokens.shape[0]
                 packed.batch.embeds = np.zeros((T, self.cfg.hidden_size), jnp.dtype(self.cfg.dtype))
-                out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R))
+                out = self._run(packed, StateOps(z, z), SamplingBatch.neutral(R), np.zeros(D, np.int32))
             if self.spec_block == 1:  # the tail's other variants (sampled rows, logprobs): small programs
                 logits = np.zeros((R, self.cfg.vocab_size), np.float32)
                 logits = jnp.asarray(logits) if self.sharded is None else self.sharded.replicate(logits)
