@@ -240,19 +240,27 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.stack([a * c - b * s, a * s + b * c], axis=-1).reshape(T, H, K)
 
 
-def _chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, attn: str = "xla") -> jax.Array:
-    """Bidirectional attention within one chunk: q, k, v [n, H, K] -> f32[n, H, K] (f32 softmax).
-    attn "cudnn": `jax.nn.dot_product_attention`'s fused GPU kernel (bf16 / f16; no [H, n, n] scores)."""
+def _chunk_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, attn: str = "xla",
+                     n_valid=None) -> jax.Array:
+    """Bidirectional attention within one chunk: q, k, v [n, H, K] -> f32[n, H, K] (f32 softmax). n_valid (a
+    traced scalar): keys at or past it are padding, masked out. attn "cudnn": `jax.nn.dot_product_attention`'s
+    fused GPU kernel (bf16 / f16; no [H, n, n] scores)."""
     if attn != "xla":
-        o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, implementation=attn)
+        lengths = None if n_valid is None else jnp.reshape(n_valid, (1,)).astype(jnp.int32)
+        o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, implementation=attn,
+                                         key_value_seq_lengths=lengths)
         return o[0].astype(jnp.float32)
     s = jnp.einsum("thk,shk->hts", q, k, preferred_element_type=jnp.float32) * scale
+    if n_valid is not None:
+        s = jnp.where(jnp.arange(k.shape[0])[None, None, :] < n_valid, s, -jnp.inf)
     pr = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("hts,shk->thk", pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
-def _attention(x: jax.Array, blk: VisionBlocks, vcfg: VisionConfig, cos, sin, grids, attn: str = "xla") -> jax.Array:
-    """x f32[N, D] (normed) -> f32[N, D]: each chunk attends to itself only (static slices: O(sum n_i^2))."""
+def _attention(x: jax.Array, blk: VisionBlocks, vcfg: VisionConfig, cos, sin, grids, attn: str = "xla",
+               n_valid=None) -> jax.Array:
+    """x f32[N, D] (normed) -> f32[N, D]: each chunk of `grids` attends to itself only (static slices:
+    O(sum n_i^2)); with `n_valid` (grids None), x is one image padded to N rows, keys past n_valid masked."""
     N = x.shape[0]
     H, K = vcfg.num_attention_heads, vcfg.head_dim
     dt = blk.wqkv.dtype
@@ -260,14 +268,17 @@ def _attention(x: jax.Array, blk: VisionBlocks, vcfg: VisionConfig, cos, sin, gr
     q = _rotate(qkv[:, 0], cos, sin).astype(dt)
     k = _rotate(qkv[:, 1], cos, sin).astype(dt)
     v = qkv[:, 2].astype(dt)
+    if n_valid is not None:
+        return _linear(_chunk_attention(q, k, v, K ** -0.5, attn, n_valid).reshape(N, H * K), blk.wo, blk.wo_b)
     outs = [_chunk_attention(q[s:s + n], k[s:s + n], v[s:s + n], K ** -0.5, attn) for s, n in _offsets(grids)]
     o = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
     return _linear(o.reshape(N, H * K), blk.wo, blk.wo_b)
 
 
-def _block(x: jax.Array, blk: VisionBlocks, vcfg: VisionConfig, cos, sin, grids, attn: str = "xla") -> jax.Array:
+def _block(x: jax.Array, blk: VisionBlocks, vcfg: VisionConfig, cos, sin, grids, attn: str = "xla",
+           n_valid=None) -> jax.Array:
     h = _layer_norm(x, blk.norm0_w, blk.norm0_b, LN_EPS)
-    x = x + _attention(h, blk, vcfg, cos, sin, grids, attn)
+    x = x + _attention(h, blk, vcfg, cos, sin, grids, attn, n_valid)
     h = _layer_norm(x, blk.norm1_w, blk.norm1_b, LN_EPS)
     h = jax.nn.gelu(_linear(h, blk.fc0, blk.fc0_b), approximate=True)
     return x + _linear(h, blk.fc1, blk.fc1_b)
@@ -396,23 +407,11 @@ def bucket_tables(grid: Grid, vcfg: VisionConfig) -> tuple[np.ndarray, ...]:
     return pos_idx, pos_w, ang, merge
 
 
-def _masked_attention(q, k, v, scale: float, n_valid, attn: str) -> jax.Array:
-    """Attention over a padded chunk: keys at or past n_valid are masked out. q, k, v [Nb, H, K] -> f32."""
-    if attn != "xla":
-        o = jax.nn.dot_product_attention(q[None], k[None], v[None], scale=scale, implementation=attn,
-                                         key_value_seq_lengths=jnp.reshape(n_valid, (1,)).astype(jnp.int32))
-        return o[0].astype(jnp.float32)
-    s = jnp.einsum("thk,shk->hts", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(jnp.arange(k.shape[0])[None, None, :] < n_valid, s, -jnp.inf)
-    pr = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("hts,shk->thk", pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
-
-
 @functools.partial(jax.jit, static_argnames=("vcfg", "attn"))
 def _encode_bucket(params: VisionParams, patches, pos_idx, pos_w, ang, merge, n_valid, vcfg: VisionConfig,
                    attn: str = "xla") -> jax.Array:
     """One image padded to Nb patches -> [Mb, Dt] (rows past the image's M are padding)."""
-    D, H, K = vcfg.hidden_size, vcfg.num_attention_heads, vcfg.head_dim
+    D = vcfg.hidden_size
     table = params.pos_emb.astype(jnp.float32).reshape(-1, D)
     with jax.named_scope("vision_embed"):
         pos = sum(table[pos_idx[:, j]] * pos_w[:, j, None] for j in range(pos_idx.shape[1]))
@@ -421,16 +420,7 @@ def _encode_bucket(params: VisionParams, patches, pos_idx, pos_w, ang, merge, n_
 
     def body(x, blk):
         with jax.named_scope("vision_block"):
-            h = _layer_norm(x, blk.norm0_w, blk.norm0_b, LN_EPS)
-            dt = blk.wqkv.dtype
-            qkv = _linear(h, blk.wqkv, blk.wqkv_b).reshape(x.shape[0], 3, H, K)
-            q = _rotate(qkv[:, 0], cos, sin).astype(dt)
-            k = _rotate(qkv[:, 1], cos, sin).astype(dt)
-            o = _masked_attention(q, k, qkv[:, 2].astype(dt), K ** -0.5, n_valid, attn)
-            x = x + _linear(o.reshape(x.shape[0], H * K), blk.wo, blk.wo_b)
-            h = _layer_norm(x, blk.norm1_w, blk.norm1_b, LN_EPS)
-            h = jax.nn.gelu(_linear(h, blk.fc0, blk.fc0_b), approximate=True)
-            return x + _linear(h, blk.fc1, blk.fc1_b), None
+            return _block(x, blk, vcfg, cos, sin, None, attn, n_valid), None
 
     x, _ = jax.lax.scan(body, x, params.blocks)
     x = _layer_norm(x, params.final_norm_w, params.final_norm_b, LN_EPS)
