@@ -28,11 +28,23 @@ class Model:
     mesh: object = None  # a jax.sharding.Mesh: params laid out by sharding.rules, steps sharded on it
     vision_params: object = None  # `k3jax.model.vision.VisionParams` of a vision model (replicated on a mesh)
     vision_cache_bytes: int = VISION_CACHE_BYTES  # the tower's outputs kept by image digest (LRU); 0: none
+    chat_template: str | None = None  # a checkpoint's Jinja chat template; None: the built-in Kimi format (`k3jax.xtml`)
 
     def __post_init__(self):
         self._vision_cache: collections.OrderedDict = collections.OrderedDict()  # digest -> rows (a fresh one per
         self._vision_lock = threading.Lock()  # model, `dataclasses.replace` included: rows belong to these params)
         self.vision_cache_hits = 0
+        self._chat_format = None
+
+    @property
+    def chat_format(self):
+        """`k3jax.xtml.ChatFormat` of this model: messages -> prompt ids and images; reply ids -> content,
+        reasoning and tool calls (raises ValueError if the tokenizer cannot chat)."""
+        if self._chat_format is None:
+            from k3jax.xtml import ChatFormat
+
+            self._chat_format = ChatFormat.for_model(self)
+        return self._chat_format
 
     def encode_images(self, images, keys=None) -> list[np.ndarray]:
         """The projector's output rows of each preprocessed image (`k3jax.model.vision.preprocess_image`:
@@ -120,6 +132,7 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
     `stack_layers` gives the stacked layout back (what the checkpoint writers take)."""
     from k3jax.model.init import init_params
     from k3jax.tokenizer import load_tokenizer
+    from k3jax.xtml import load_template
 
     shardings = None
     if mesh is not None:
@@ -133,6 +146,7 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
 
         cfg, params = load_checkpoint(name_or_dir, dtype=dtype, shardings=shardings)
         tok = load_tokenizer(name_or_dir, cfg)
+        template = load_template(name_or_dir)
     else:
         if os.sep in name_or_dir or name_or_dir.startswith("."):
             raise FileNotFoundError(f"no checkpoint directory at {name_or_dir!r}")
@@ -145,6 +159,7 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
             cfg = cfg.replace(dtype=dtype)
         params = init_params(cfg, seed, shardings=shardings(cfg) if shardings else None)
         tok = load_tokenizer(None, cfg)
+        template = None
     # per-layer arrays: the forward never slices stacked weights (`split_layers`)
     split_sh = None
     if mesh is not None:
@@ -160,7 +175,7 @@ def load_model(name_or_dir: str, *, seed: int = 0, mesh=None, dtype: str | None 
             from jax.sharding import NamedSharding, PartitionSpec
 
             vision = jax.device_put(vision, NamedSharding(mesh, PartitionSpec()))
-    return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh, vision_params=vision)
+    return Model(config=cfg, params=params, tokenizer=tok, mesh=mesh, vision_params=vision, chat_template=template)
 
 
 def _load_vision(name_or_dir: str, cfg: ModelConfig, seed: int, dtype: str | None):

@@ -1,5 +1,6 @@
-"""`k3jax` command line. Subcommands: `generate` (stream a completion for one prompt), `plan` (memory
-plan and node count of a model on a mesh, `k3jax/plan.py`).
+"""`k3jax` command line. Subcommands: `generate` (stream a completion for one prompt), `chat` (a multi-turn
+conversation in the model's chat format, `k3jax/xtml.py`), `plan` (memory plan and node count of a model on a
+mesh, `k3jax/plan.py`).
 
 User errors (unknown preset, missing directory, empty prompt, bad sampling values) print one line
 to stderr and exit with status 2; progress goes through `logging` to stderr, generated text to stdout.
@@ -27,6 +28,51 @@ class UserError(Exception):
     """A problem with the command line input: reported in one line, no traceback."""
 
 
+def _add_common_args(p: argparse.ArgumentParser, max_new_tokens: int = SamplingParams.max_new_tokens):
+    """The flags `generate` and `chat` share: model, sampling, memory layout, mesh, output."""
+    p.add_argument("--model", default="k3-tiny", metavar="PRESET_OR_DIR",
+                   help=f"a preset with random weights ({', '.join(preset_names())}) or a checkpoint directory "
+                        "(default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                   help="stop after generating N tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=SamplingParams.temperature, metavar="T",
+                   help="softmax temperature; 0 means greedy (always the most likely token) (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=SamplingParams.top_p, metavar="P",
+                   help="nucleus sampling: sample only from the most likely tokens whose probability "
+                        "reaches P, in (0, 1]; 1 disables it (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="K",
+                   help="sample only from the K most likely tokens; 0 disables it (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=SamplingParams.min_p, metavar="P",
+                   help="sample only from tokens at least P times as likely as the most likely one, in [0, 1]; "
+                        "0 disables it (default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, metavar="R",
+                   help="divide the positive logits (multiply the negative ones) of tokens already in the prompt or "
+                        "the output by R > 0; 1 disables it (default: %(default)s)")
+    p.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, metavar="P",
+                   help="subtract P from the logits of tokens already generated, in [-2, 2]; 0 disables it "
+                        "(default: %(default)s)")
+    p.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, metavar="F",
+                   help="subtract F times a token's count in the output so far from its logit, in [-2, 2]; 0 "
+                        "disables it (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="sampling seed for reproducible output (default: a fresh random seed per run)")
+    p.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="stop after the token that completes STR (repeatable; the stop string is printed; default: none)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
+                   help="stop after token ID (repeatable; the token is printed; default: none)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the model's EOS token, up to --max-new-tokens (default: stop at EOS)")
+    p.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per MLA KV-cache page (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens processed per prefill step (default: %(default)s)")
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="run sharded on a device mesh, e.g. tp=2, tp=4,ep=2 or dp=2,tp=2 (axes dp, tp, ep; on CPU "
+                        "set XLA_FLAGS=--xla_force_host_platform_device_count=N for N host devices; default: one device)")
+    p.add_argument("--show-special", action="store_true",
+                   help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages and no summary on stderr (default: off)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3jax", description="JAX inference for Kimi-K3-class hybrid models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -36,45 +82,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Generate a completion for one prompt and stream its text to stdout as tokens arrive. "
                     "Progress and a timing summary go to stderr.",
     )
-    g.add_argument("--model", default="k3-tiny", metavar="PRESET_OR_DIR",
-                   help=f"a preset with random weights ({', '.join(preset_names())}) or a checkpoint directory "
-                        "(default: %(default)s)")
+    _add_common_args(g)
     g.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text (required, not empty)")
-    g.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens, metavar="N",
-                   help="stop after generating N tokens (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=SamplingParams.temperature, metavar="T",
-                   help="softmax temperature; 0 means greedy (always the most likely token) (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, metavar="P",
-                   help="nucleus sampling: sample only from the most likely tokens whose probability "
-                        "reaches P, in (0, 1]; 1 disables it (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, metavar="K",
-                   help="sample only from the K most likely tokens; 0 disables it (default: %(default)s)")
-    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, metavar="P",
-                   help="sample only from tokens at least P times as likely as the most likely one, in [0, 1]; "
-                        "0 disables it (default: %(default)s)")
-    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty, metavar="R",
-                   help="divide the positive logits (multiply the negative ones) of tokens already in the prompt or "
-                        "the output by R > 0; 1 disables it (default: %(default)s)")
-    g.add_argument("--presence-penalty", type=float, default=SamplingParams.presence_penalty, metavar="P",
-                   help="subtract P from the logits of tokens already generated, in [-2, 2]; 0 disables it "
-                        "(default: %(default)s)")
-    g.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, metavar="F",
-                   help="subtract F times a token's count in the output so far from its logit, in [-2, 2]; 0 "
-                        "disables it (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="sampling seed for reproducible output (default: a fresh random seed per run)")
-    g.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="stop after the token that completes STR (repeatable; the stop string is printed; default: none)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
-                   help="stop after token ID (repeatable; the token is printed; default: none)")
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past the model's EOS token, up to --max-new-tokens (default: stop at EOS)")
-    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per MLA KV-cache page (default: %(default)s)")
-    g.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
-                   help="prompt tokens processed per prefill step (default: %(default)s)")
-    g.add_argument("--mesh", default=None, metavar="SPEC",
-                   help="run sharded on a device mesh, e.g. tp=2, tp=4,ep=2 or dp=2,tp=2 (axes dp, tp, ep; on CPU "
-                        "set XLA_FLAGS=--xla_force_host_platform_device_count=N for N host devices; default: one device)")
     g.add_argument("--speculative", choices=["ngram"], default=None,
                    help="speculative decoding: 'ngram' drafts from earlier occurrences of the context's last "
                         "tokens (prompt lookup), verified in blocks by the model; greedy output is unchanged "
@@ -91,61 +100,93 @@ def _build_parser() -> argparse.ArgumentParser:
                         "uint8 [H, W, 3] array; the prompt names each with <|media_pad|>, or, with none there, the "
                         "images go before the prompt text (runs through the engine; default: none)")
     g.add_argument("--add-bos", action="store_true", help="prepend the BOS token to the prompt (default: off)")
-    g.add_argument("--show-special", action="store_true",
-                   help="print special tokens (e.g. <|eos|>) instead of skipping them (default: off)")
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress messages and no summary on stderr (default: off)")
+    c = sub.add_parser(
+        "chat",
+        help="talk with the model in its chat format",
+        description="A multi-turn conversation in the model's chat format (the checkpoint's template, else Kimi's): "
+                    "each line read from stdin (or each --message) is a user turn, and the reply streams to stdout. "
+                    "Later turns reuse the conversation so far from the prefix cache. Tool calls the model makes are "
+                    "printed as JSON lines. An empty line, /exit or end of input ends the chat.",
+    )
+    _add_common_args(c, max_new_tokens=256)
+    c.add_argument("--system", default=None, metavar="TEXT", help="a system message opening the conversation (default: none)")
+    c.add_argument("--message", action="append", default=None, metavar="TEXT",
+                   help="a user turn to send instead of reading stdin (repeatable, in order; default: read stdin)")
+    c.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="an image for a vision model, shown before the first user turn's text (repeatable): a PNG/JPEG "
+                        "(needs Pillow) or a .npy uint8 [H, W, 3] array (default: none)")
+    c.add_argument("--max-seq-len", type=int, default=4096, metavar="N",
+                   help="the conversation's token budget: every prompt plus its reply must fit (default: %(default)s)")
     from k3jax import plan
 
     plan.add_parser(sub)
     return parser
 
 
-def _generate(args) -> int:
+def _sampling(args) -> SamplingParams:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              seed=args.seed, stop=args.stop,
-                              stop_token_ids=args.stop_token_id,
-                              ignore_eos=args.ignore_eos)
+                              seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
     try:
         sampling.validate()
     except ValueError as e:
         raise UserError(str(e)) from None
+    for flag, v in (("--page-size", args.page_size), ("--prefill-chunk", args.prefill_chunk)):
+        if v < 1:
+            raise UserError(f"{flag} must be a positive integer, got {v}")
+    return sampling
+
+
+def _load_images(args) -> list | None:
+    """--image files, read before the model loads: a missing file fails fast."""
+    if not args.image:
+        return None
+    from k3jax.media import load_image
+
+    try:
+        return [load_image(p) for p in args.image]
+    except (ValueError, OSError) as e:
+        raise UserError(f"--image: {e}") from None
+
+
+def _load_model(args, sampling: SamplingParams, images):
+    """--model loaded (on --mesh); UserError naming the problem (a missing directory, sampling values the
+    vocabulary rules out, images for a model without a vision tower)."""
+    import k3jax.api
+
+    log.info("loading model %s%s", args.model, f" on mesh {args.mesh}" if args.mesh else "")
+    try:
+        model = k3jax.api.load_model(args.model, mesh=args.mesh)
+        sampling.validate(model.config.vocab_size)
+    except (ValueError, FileNotFoundError, NotADirectoryError, OSError) as e:
+        raise UserError(str(e)) from None
+    if images and model.config.vision is None:
+        raise UserError(f"--image: model {model.config.name!r} has no vision tower")
+    return model
+
+
+def _generate(args) -> int:
+    sampling = _sampling(args)
     if not args.prompt:
         raise UserError("--prompt is empty")
     if not 1 <= args.num_draft_tokens <= 16:
         raise UserError(f"--num-draft-tokens must be in [1, 16], got {args.num_draft_tokens}")
     if args.batch_invariant and args.mesh:
         raise UserError("--batch-invariant runs on one device: drop --mesh")
-    for flag, v in (("--page-size", args.page_size), ("--prefill-chunk", args.prefill_chunk)):
-        if v < 1:
-            raise UserError(f"{flag} must be a positive integer, got {v}")
 
-    import k3jax.api
     from k3jax.tokenizer import IncrementalDecoder
 
-    images = None
-    if args.image:  # before the model loads: a missing file fails fast
-        from k3jax.media import load_image
-
-        try:
-            images = [load_image(p) for p in args.image]
-        except (ValueError, OSError) as e:
-            raise UserError(f"--image: {e}") from None
+    images = _load_images(args)
     t0 = time.perf_counter()
-    log.info("loading model %s%s", args.model, f" on mesh {args.mesh}" if args.mesh else "")
+    model = _load_model(args, sampling, images)
     try:
-        model = k3jax.api.load_model(args.model, mesh=args.mesh)
-        sampling.validate(model.config.vocab_size)
         prompt_ids = model.tokenizer.encode(args.prompt, add_bos=args.add_bos)
-        if images:
-            if model.config.vision is None:
-                raise ValueError(f"--image: model {model.config.name!r} has no vision tower")
-            ph = model.config.media_placeholder_token_id
-            if ph not in prompt_ids:  # no placeholders: the images come first
-                prompt_ids = [ph] * len(images) + prompt_ids
-    except (ValueError, FileNotFoundError, NotADirectoryError, OSError) as e:
+    except ValueError as e:
         raise UserError(str(e)) from None
+    ph = model.config.media_placeholder_token_id
+    if images and ph not in prompt_ids:  # no placeholders: the images come first
+        prompt_ids = [ph] * len(images) + prompt_ids
     args.images = images
     load_s = time.perf_counter() - t0
     if args.batch_invariant:
@@ -170,6 +211,75 @@ def _generate(args) -> int:
     if not args.quiet:
         _summary(stats, times, t_start, load_s)
     return 0
+
+
+def _chat(args) -> int:
+    sampling = _sampling(args)
+    if args.max_seq_len < 2:
+        raise UserError(f"--max-seq-len must be at least 2, got {args.max_seq_len}")
+    if args.message is not None and not all(m.strip() for m in args.message):
+        raise UserError("--message is empty")
+    images = _load_images(args)
+    import json
+
+    from k3jax import LLM
+    from k3jax.tokenizer import IncrementalDecoder
+    from k3jax.xtml import TOOLS_BEGIN
+
+    t0 = time.perf_counter()
+    model = _load_model(args, sampling, images)
+    try:
+        fmt = model.chat_format
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    llm = LLM(model, mesh=args.mesh, page_size=args.page_size, prefill_chunk=args.prefill_chunk, max_running=1,
+              single_bucket=True, warmup=True, max_seq_len=args.max_seq_len)
+    log.info("loaded %s and warmed up in %.2f s (chat format: %s)", model.config.name, time.perf_counter() - t0,
+             "the checkpoint's template" if fmt.template is not None else "Kimi's built-in")
+    tools_begin = fmt.tokenizer.special_tokens.get(TOOLS_BEGIN)
+    conv: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    turns = iter(args.message) if args.message is not None else _stdin_turns()
+    out = sys.stdout
+    for text in turns:
+        if images:  # the first turn shows the images
+            conv.append({"role": "user", "content": [*({"type": "image", "image": im} for im in images),
+                                                     {"type": "text", "text": text}]})
+            images = None
+        else:
+            conv.append({"role": "user", "content": text})
+        try:
+            prompt = fmt.render(conv)
+            detok = IncrementalDecoder(model.tokenizer, skip_special=not args.show_special)
+            t, shown, final = time.perf_counter(), True, None
+            for delta in llm.stream(prompt.token_ids, prompt.sampling(sampling), images=prompt.images or None):
+                for tok in delta.token_ids:
+                    shown = shown and (tok != tools_begin or args.show_special)  # tool calls print parsed, below
+                    if shown:
+                        out.write(detok.push(tok))
+                out.flush()
+                final = delta.output if delta.finished else final
+        except ValueError as e:  # e.g. the conversation outgrew --max-seq-len
+            raise UserError(str(e)) from None
+        out.write(detok.flush() + "\n")
+        reply = fmt.parse(final.token_ids)
+        for call in reply.tool_calls:
+            out.write(json.dumps({"tool_call": call.to_dict()}, ensure_ascii=False) + "\n")
+        out.flush()
+        conv.append(reply.to_message())
+        log.info("turn %d: prompt %d tokens (%d from the prefix cache), reply %d tokens (%s) in %.2f s",
+                 sum(m["role"] == "user" for m in conv), len(prompt.token_ids), final.cached_tokens,
+                 len(final.token_ids), final.finish_reason, time.perf_counter() - t)
+    return 0
+
+
+def _stdin_turns():
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip() or line.strip() == "/exit":
+            return
+        yield line.rstrip("\n")
 
 
 def _token_stream(args, model, prompt_ids, sampling, stats):
@@ -257,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
         if args.command == "plan":
             from k3jax import plan
 

@@ -58,6 +58,17 @@ def _special_names(cfg: ModelConfig | None) -> dict[int, str]:
     return names
 
 
+def _chat_names(names: dict[int, str], vocab_size: int) -> dict[int, str]:
+    """The chat format's special tokens (`k3jax.xtml.CHAT_TOKENS`) on the lowest free ids from 256, if they all
+    fit the vocabulary (a byte-level model then chats like a Kimi checkpoint)."""
+    from k3jax.xtml import CHAT_TOKENS
+
+    todo = [t for t in CHAT_TOKENS if t not in names.values()]
+    free = (i for i in range(256, vocab_size) if i not in names)
+    ids = [i for i, _ in zip(free, todo)]
+    return dict(zip(ids, todo)) if len(ids) == len(todo) else {}
+
+
 class _Tokenizer:
     """Shared decoding and bookkeeping; subclasses implement `_encode` and `_piece`."""
 
@@ -108,8 +119,9 @@ class _Tokenizer:
 
 
 class ByteTokenizer(_Tokenizer):
-    """Ids 0..255 are raw bytes; bos/eos/pad come from the config; every other id is a reserved
-    special token (`<|reserved_N|>`), rendered in decode only when `skip_special=False`.
+    """Ids 0..255 are raw bytes; bos/eos/pad (and a vision model's media placeholder) come from the config;
+    the chat format's tokens (`<|im_user|>`, ...) take the lowest free ids from 256; every other id is a
+    reserved special token (`<|reserved_N|>`). Special tokens show in decode only when `skip_special=False`.
 
     A special id below 256 (some presets use bos=1, eos=2) shadows that byte: it decodes as the
     special token, and the byte itself still encodes to that id.
@@ -117,6 +129,7 @@ class ByteTokenizer(_Tokenizer):
 
     def __init__(self, cfg: ModelConfig):
         names = _special_names(cfg)
+        names.update(_chat_names(names, cfg.vocab_size))
         if cfg.vocab_size < 256 + len([i for i in names if i >= 256]):
             raise ValueError(
                 f"a byte-level tokenizer needs a vocabulary of at least 256 bytes plus the special tokens; "

@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized by the server)")
     src.add_argument("--token-ids", metavar="IDS", help="prompt token ids, comma- or space-separated")
+    src.add_argument("--messages", metavar="FILE",
+                     help="a conversation to reply to: a JSON file with a list of OpenAI-style messages (role, content "
+                          "as text or parts; image parts {'type': 'image_url', 'image_url': {'url': PATH or data: "
+                          "URL}} are read here and sent as image bytes), rendered by the server's chat format")
+    g.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message in the model's chat format (with --system, --image) instead "
+                        "of raw text; the reply stops at the end of its turn and its tool calls print as JSON lines "
+                        "(default: off)")
+    g.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system message first (default: none)")
+    g.add_argument("--tools", default=None, metavar="FILE",
+                   help="with --chat or --messages: a JSON file with the OpenAI tool definitions the model may call "
+                        "(default: none)")
     g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help="tokens to generate (default: the server's default)")
     g.add_argument("--temperature", type=float, default=None, metavar="T",
@@ -153,11 +165,102 @@ def _rpc_error(e: grpc.RpcError) -> UserError:
     return UserError(f"{code}: {' '.join(details.split())}")
 
 
+def _read_json(path: str, flag: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{flag} {path}: {e}") from None
+
+
+def _read_image(img, src: str, where: str):
+    """Fill an Image message from a path (a .npy uint8 [H, W, 3] array goes raw, other files as their bytes), a
+    file:// URL or a base64 data: URL."""
+    import base64
+
+    try:
+        if src.startswith("data:"):
+            head, _, data = src.partition(",")
+            if not head.endswith(";base64"):
+                raise UserError(f"{where}: a data URL must be base64 (data:image/png;base64,...)")
+            img.encoded = base64.b64decode(data, validate=True)
+            return
+        path = src.removeprefix("file://")
+        if "://" in path:
+            raise UserError(f"{where}: {src[:64]!r}: only paths, file:// and data: URLs are read")
+        if path.endswith(".npy"):
+            import numpy as np
+
+            a = np.load(path)
+            if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+                raise UserError(f"{where} {path}: a .npy image must be uint8 [H, W, 3], got {a.dtype} {a.shape}")
+            img.raw.height, img.raw.width, img.raw.rgb = a.shape[0], a.shape[1], a.tobytes()
+        else:
+            with open(path, "rb") as f:
+                img.encoded = f.read()
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where} {src[:64]}: {e}") from None
+
+
+def _add_messages(chat, messages):
+    """OpenAI-style messages (parsed JSON) into a Chat message; UserError naming a malformed one."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError("--messages: expected a non-empty JSON list of messages")
+    for i, m in enumerate(messages):
+        where = f"--messages [{i}]"
+        if not isinstance(m, dict):
+            raise UserError(f"{where}: a message is an object with role and content")
+        msg = chat.messages.add(role=str(m.get("role", "")), name=m.get("name") or "",
+                                tool_call_id=m.get("tool_call_id") or "")
+        content = m.get("content")
+        if isinstance(content, str):
+            msg.content = content
+        elif isinstance(content, list):
+            for j, p in enumerate(content):
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind == "text":
+                    msg.parts.add(text=str(p.get("text", "")))
+                elif kind in ("image", "image_url"):
+                    src = p.get("image") if kind == "image" else p.get("image_url")
+                    src = src.get("url") if isinstance(src, dict) else src
+                    if not isinstance(src, str):
+                        raise UserError(f"{where}.content[{j}]: an image part needs a path or URL")
+                    _read_image(msg.parts.add().image, src, f"{where}.content[{j}]")
+                else:
+                    raise UserError(f"{where}.content[{j}]: a part has type text, image or image_url")
+        elif content is not None:
+            raise UserError(f"{where}.content must be a string or a list of parts")
+        for c in m.get("tool_calls") or ():
+            fn = (c or {}).get("function") or {}
+            args = fn.get("arguments", "{}")
+            msg.tool_calls.add(id=c.get("id") or "", name=str(fn.get("name", "")),
+                               arguments=args if isinstance(args, str) else json.dumps(args))
+        if m.get("reasoning_content") is not None:
+            msg.reasoning_content = str(m["reasoning_content"])
+
+
 def _generate(args, channel) -> int:
     from serve import pb
 
     req = pb.GenerateRequest(request_id=args.request_id, add_bos=args.add_bos)
-    if args.prompt is not None:
+    chat = args.chat or args.messages is not None
+    if (args.system or args.tools) and not chat:
+        raise UserError("--system and --tools need --chat or --messages")
+    if args.chat and args.prompt is None:
+        raise UserError("--chat sends --prompt as the user's message: give --prompt")
+    if args.messages is not None:
+        _add_messages(req.chat, _read_json(args.messages, "--messages"))
+    elif args.chat:
+        if args.system:
+            req.chat.messages.add(role="system", content=args.system)
+        user = req.chat.messages.add(role="user")
+        for path in args.image:
+            _read_image(user.parts.add().image, path, "--image")
+        if args.image:
+            user.parts.add(text=args.prompt)
+        else:
+            user.content = args.prompt
+    elif args.prompt is not None:
         req.text = args.prompt
     else:
         try:
@@ -167,6 +270,8 @@ def _generate(args, channel) -> int:
         req.token_ids.ids.extend(ids)
         if not ids:
             req.token_ids.SetInParent()
+    if args.tools is not None:
+        req.chat.tools_json = json.dumps(_read_json(args.tools, "--tools"))
     if args.max_new_tokens is not None:
         req.max_new_tokens = args.max_new_tokens
     for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -176,21 +281,8 @@ def _generate(args, channel) -> int:
             if f == "seed" and v < 0:
                 raise UserError(f"--seed must be >= 0, got {v}")
             setattr(req.sampling, f, v)
-    for path in args.image:
-        img = req.images.add()
-        try:
-            if path.endswith(".npy"):
-                import numpy as np
-
-                a = np.load(path)
-                if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
-                    raise UserError(f"--image {path}: a .npy image must be uint8 [H, W, 3], got {a.dtype} {a.shape}")
-                img.raw.height, img.raw.width, img.raw.rgb = a.shape[0], a.shape[1], a.tobytes()
-            else:
-                with open(path, "rb") as f:
-                    img.encoded = f.read()
-        except OSError as e:
-            raise UserError(f"--image {path}: {e}") from None
+    for path in args.image if not chat else ():
+        _read_image(req.images.add(), path, "--image")
     req.stop.extend(args.stop)
     req.stop_token_ids.extend(args.stop_token_id)
     req.ignore_eos = args.ignore_eos
@@ -218,6 +310,10 @@ def _generate(args, channel) -> int:
         last = r
     if not args.json:
         out.write("\n")
+        if last is not None and last.HasField("reply"):
+            for c in last.reply.tool_calls:
+                call = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                out.write(json.dumps({"tool_call": call}, ensure_ascii=False) + "\n")
         out.flush()
     if last is not None and not args.quiet:
         u = last.usage

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -44,6 +45,7 @@ else:
     _MISSING = None
 
 from k3jax.media import prepare as prepare_media
+from k3jax.xtml import TOOLS_BEGIN
 from serve import pb
 from serve.metrics import Metrics
 
@@ -228,41 +230,87 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refus
 
 def _decode_images(msgs) -> list:
     """GenerateRequest.images as uint8 [H, W, 3] arrays; INVALID_ARGUMENT naming the image otherwise."""
+    return [_decode_image(m, f"images[{i}]") for i, m in enumerate(msgs)]
+
+
+def _decode_image(m, where: str):
+    """One Image message as a uint8 [H, W, 3] array; INVALID_ARGUMENT naming `where` otherwise."""
     import numpy as np
 
-    out = []
-    for i, m in enumerate(msgs):
-        kind = m.WhichOneof("data")
-        if kind == "raw":
-            h, w, n = m.raw.height, m.raw.width, len(m.raw.rgb)
-            if h <= 0 or w <= 0:
-                raise _invalid(f"images[{i}].raw: height and width must be >= 1, got {h} x {w}")
-            if h * w > MAX_IMAGE_PIXELS:
-                raise _invalid(f"images[{i}].raw: {h} x {w} pixels is above the limit {MAX_IMAGE_PIXELS}")
-            if n != h * w * 3:
-                raise _invalid(f"images[{i}].raw.rgb has {n} bytes; height * width * 3 = {h * w * 3}")
-            out.append(np.frombuffer(m.raw.rgb, np.uint8).reshape(h, w, 3))
-        elif kind == "encoded":
-            try:
-                import io
+    kind = m.WhichOneof("data")
+    if kind == "raw":
+        h, w, n = m.raw.height, m.raw.width, len(m.raw.rgb)
+        if h <= 0 or w <= 0:
+            raise _invalid(f"{where}.raw: height and width must be >= 1, got {h} x {w}")
+        if h * w > MAX_IMAGE_PIXELS:
+            raise _invalid(f"{where}.raw: {h} x {w} pixels is above the limit {MAX_IMAGE_PIXELS}")
+        if n != h * w * 3:
+            raise _invalid(f"{where}.raw.rgb has {n} bytes; height * width * 3 = {h * w * 3}")
+        return np.frombuffer(m.raw.rgb, np.uint8).reshape(h, w, 3)
+    if kind == "encoded":
+        try:
+            import io
 
-                from PIL import Image
-            except ImportError:
-                raise _invalid(f"images[{i}].encoded: this server cannot decode image files (no Pillow); send "
-                               "images[].raw") from None
-            try:
-                with Image.open(io.BytesIO(m.encoded)) as im:
-                    if im.width * im.height > MAX_IMAGE_PIXELS:
-                        raise _invalid(f"images[{i}].encoded: {im.width} x {im.height} pixels is above the limit "
-                                       f"{MAX_IMAGE_PIXELS}")
-                    out.append(np.asarray(im.convert("RGB")))
-            except RequestError:
-                raise
-            except Exception as e:  # PIL raises many types for bad data
-                raise _invalid(f"images[{i}].encoded: cannot decode the image ({type(e).__name__}: {e})") from None
+            from PIL import Image
+        except ImportError:
+            raise _invalid(f"{where}.encoded: this server cannot decode image files (no Pillow); send "
+                           "raw images") from None
+        try:
+            with Image.open(io.BytesIO(m.encoded)) as im:
+                if im.width * im.height > MAX_IMAGE_PIXELS:
+                    raise _invalid(f"{where}.encoded: {im.width} x {im.height} pixels is above the limit "
+                                   f"{MAX_IMAGE_PIXELS}")
+                return np.asarray(im.convert("RGB"))
+        except RequestError:
+            raise
+        except Exception as e:  # PIL raises many types for bad data
+            raise _invalid(f"{where}.encoded: cannot decode the image ({type(e).__name__}: {e})") from None
+    raise _invalid(f"{where} is empty: set encoded or raw")
+
+
+def _chat_request(chat) -> tuple[list[dict], list | None]:
+    """GenerateRequest.chat as (messages in `k3jax.xtml`'s form, tools), its images decoded; INVALID_ARGUMENT naming
+    the field otherwise (the chat format checks the rest when it renders)."""
+    if not chat.messages:
+        raise _invalid("chat.messages is empty")
+    msgs = []
+    for i, m in enumerate(chat.messages):
+        where = f"chat.messages[{i}]"
+        d: dict = {"role": m.role}
+        if m.parts:
+            if m.content:
+                raise _invalid(f"{where}: set content or parts, not both")
+            parts = []
+            for j, part in enumerate(m.parts):
+                kind = part.WhichOneof("part")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part.text})
+                elif kind == "image":
+                    parts.append({"type": "image", "image": _decode_image(part.image, f"{where}.parts[{j}].image")})
+                else:
+                    raise _invalid(f"{where}.parts[{j}] is empty: set text or image")
+            d["content"] = parts
         else:
-            raise _invalid(f"images[{i}] is empty: set encoded or raw")
-    return out
+            d["content"] = m.content if m.content or not m.tool_calls else None
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id or None, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments or "{}"}} for c in m.tool_calls]
+        if m.HasField("reasoning_content"):
+            d["reasoning_content"] = m.reasoning_content
+        msgs.append(d)
+    tools = None
+    if chat.tools_json:
+        try:
+            tools = json.loads(chat.tools_json)
+        except ValueError as e:
+            raise _invalid(f"chat.tools_json is not JSON: {e}") from None
+        if not isinstance(tools, list):
+            raise _invalid("chat.tools_json must be a JSON array of tool definitions")
+    return msgs, tools
 
 
 class GenerationServicer:
@@ -297,18 +345,29 @@ class GenerationServicer:
         """Whether GenerateRequest.images is served: a vision model in one process."""
         return self.llm.model.config.vision is not None and getattr(self.llm.core, "channel", None) is None
 
+    @functools.cached_property
+    def chat_error(self) -> str | None:
+        """Why GenerateRequest.chat is not served (None: it is): the tokenizer lacks the chat format."""
+        try:
+            self.llm.model.chat_format
+        except ValueError as e:
+            return str(e)
+        return None
+
     # ---- request parsing ----------------------------------------------------------------------
     def parse(self, req, text_ids: list[int] | None = None):
         """(prompt ids, SamplingParams) of a GenerateRequest; RequestError names the field.
-        `text_ids`: the text prompt, already tokenized."""
+        `text_ids`: the text prompt, already tokenized (a chat prompt: rendered)."""
         from k3jax.sampling import MAX_PENALTY, SamplingParams
 
         cfg, tok = self.llm.model.config, self.llm.model.tokenizer
         vocab = cfg.vocab_size
         kind = req.WhichOneof("prompt")
         if kind is None:
-            raise _invalid("prompt is empty: set prompt.text or prompt.token_ids")
-        if kind == "text":
+            raise _invalid("prompt is empty: set prompt.text, prompt.token_ids or prompt.chat")
+        if kind == "chat":
+            ids = list(text_ids)
+        elif kind == "text":
             if not req.text:
                 raise _invalid("prompt.text is empty")
             if tok is None:
@@ -399,9 +458,23 @@ class GenerationServicer:
             tok = self.llm.model.tokenizer
             if request.WhichOneof("prompt") == "text" and len(request.text) > _BIG_TEXT and tok is not None:
                 text_ids = await asyncio.to_thread(tok.encode, request.text, add_bos=request.add_bos)  # off the loop
+            chat = None
+            if request.WhichOneof("prompt") == "chat":
+                chat = await self._render_chat(request)
+                text_ids = chat.token_ids
             ids, sampling = self.parse(request, text_ids)
             media = None
-            if request.images:
+            if chat is not None:
+                sampling = chat.sampling(sampling)  # the reply ends with its turn
+                if chat.images:
+                    if not self.vision_ok:
+                        raise _invalid("chat: images are " + ("for a vision model" if self.llm.model.config.vision is None
+                                                              else "not supported by a multi-process server yet"))
+                    try:  # the vision tower, off the event loop
+                        media = await asyncio.to_thread(prepare_media, self.llm.model, ids, chat.images)
+                    except ValueError as e:
+                        raise _invalid(f"chat: images: {e}") from None
+            elif request.images:
                 if not self.vision_ok:
                     raise _invalid("images: " + ("the model has no vision tower" if self.llm.model.config.vision is None
                                                  else "not supported by a multi-process server yet"))
@@ -425,13 +498,29 @@ class GenerationServicer:
             ids = media.token_ids  # the expanded prompt: what usage counts
         self.active[rid] = t0
         log.debug("request %s: %d prompt tokens, max_new_tokens %d", rid, len(ids), sampling.max_new_tokens)
-        await self._stream(rid, ids, t0, context, sampling.logprobs or 0)
+        await self._stream(rid, ids, t0, context, sampling.logprobs or 0, chat is not None)
 
-    async def _stream(self, rid, ids, t0, context, n_logprobs=0):
+    async def _render_chat(self, request):
+        """The chat prompt of a GenerateRequest (`k3jax.xtml.ChatPrompt`), rendered off the event loop."""
+        if self.chat_error is not None:
+            raise _invalid(f"chat: {self.chat_error}")
+        if request.images:
+            raise _invalid("images: a chat request carries its images in chat.messages[].parts")
+        if request.add_bos:
+            raise _invalid("add_bos: not with chat (the chat format decides the prompt's opening tokens)")
+        msgs, tools = _chat_request(request.chat)
+        try:
+            return await asyncio.to_thread(self.llm.model.chat_format.render, msgs, tools=tools)
+        except ValueError as e:
+            raise _invalid(f"chat.{e}" if str(e).startswith("messages") else f"chat: {e}") from None
+
+    async def _stream(self, rid, ids, t0, context, n_logprobs=0, chat=False):
         from k3jax.tokenizer import IncrementalDecoder
 
         tok = self.llm.model.tokenizer
         detok = IncrementalDecoder(tok) if tok is not None else None
+        # a chat reply's text stops at its tool-call section: the calls come parsed in the last response's `reply`
+        tools_begin = tok.special_tokens.get(TOOLS_BEGIN) if chat else None
         stream = self.engine.stream(rid)
         done, n_out, last = False, 0, None
         m = self.metrics
@@ -440,7 +529,11 @@ class GenerationServicer:
                 toks = list(delta.token_ids)
                 reason = delta.finish_reason if delta.finished else None
                 output = delta.output
-                text = "".join(detok.push(t) for t in toks) if detok is not None else ""
+                if detok is not None and tools_begin in toks:  # the text ends here
+                    text = "".join(detok.push(t) for t in toks[: toks.index(tools_begin)]) + detok.flush()
+                    detok = None
+                else:
+                    text = "".join(detok.push(t) for t in toks) if detok is not None else ""
                 if reason is not None and detok is not None:
                     text += detok.flush()
                 now = time.perf_counter()
@@ -461,6 +554,13 @@ class GenerationServicer:
                     top = sorted(entry.items(), key=lambda kv: -kv[1])[:n_logprobs]
                     resp.logprobs.add(logprob=entry[t], top_ids=[k for k, _ in top], top_logprobs=[v for _, v in top])
                 if reason is not None:
+                    if chat and output is not None:
+                        reply = self.llm.model.chat_format.parse(output.token_ids)
+                        resp.reply.content = reply.content
+                        if reply.reasoning_content is not None:
+                            resp.reply.reasoning_content = reply.reasoning_content
+                        for c in reply.tool_calls:
+                            resp.reply.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
                     cached = output.cached_tokens if output is not None else 0
                     resp.finish_reason = _REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
                     resp.usage.prompt_tokens = len(ids)
@@ -513,6 +613,7 @@ class GenerationServicer:
         f = info.features
         f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = f.min_p = True
         f.logprobs = f.penalties = not a.speculative
+        f.chat = self.ready and self.chat_error is None
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
         if request.check_invariants and not a.debug_invariants:

@@ -160,6 +160,35 @@ def test_cli_image(model, tmp_path, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+def test_cli_chat(model, monkeypatch, capsys):
+    """`k3jax chat`: each --message (or stdin line) is a user turn; the replies are `LLM.chat`'s greedy ones on
+    the conversation so far (text up to any tool-call section, then the parsed calls as JSON lines)."""
+    import io
+    import json
+
+    from k3jax import LLM
+    from k3jax.xtml import TOOLS_BEGIN
+
+    shape = ["--prefill-chunk", "64", "--max-seq-len", "128", "--max-new-tokens", "4", "-q"]
+    llm = LLM(model, max_running=1, single_bucket=True, prefill_chunk=64, max_seq_len=128)  # the CLI's shapes
+    tb = model.tokenizer.special_tokens[TOOLS_BEGIN]
+    conv, want = [{"role": "system", "content": "Be brief."}], ""
+    for text in ("Hi", "And then?"):
+        conv.append({"role": "user", "content": text})
+        out = llm.chat(conv, SamplingParams(max_new_tokens=4))[0]
+        shown = out.token_ids[: out.token_ids.index(tb)] if tb in out.token_ids else out.token_ids
+        want += model.tokenizer.decode(shown) + "\n"
+        want += "".join(json.dumps({"tool_call": c.to_dict()}, ensure_ascii=False) + "\n" for c in out.message.tool_calls)
+        conv.append(out.message.to_message())
+    assert main(["chat", "--system", "Be brief.", "--message", "Hi", "--message", "And then?", *shape]) == 0
+    assert capsys.readouterr().out == want
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd then?\n\nnever read\n"))  # an empty line ends the chat
+    assert main(["chat", "--system", "Be brief.", *shape]) == 0
+    assert capsys.readouterr().out == want
+    assert main(["chat", "--message", " ", *shape]) == 2
+    assert "--message is empty" in capsys.readouterr().err
+
+
 def test_cli_error_subprocess_has_no_traceback():
     proc = _cli("generate", "--prompt", "hi", "--temperature", "-1")
     out, err = proc.communicate(timeout=60)
@@ -178,3 +207,10 @@ def test_cli_help_explains_every_flag(capsys):
                  "--frequency-penalty", "--image"):
         assert flag in text
     assert "(default: k3-tiny)" in text and "(default: 16)" in text and "greedy" in text
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--model", "--system", "--message", "--image", "--max-seq-len", "--max-new-tokens", "--temperature",
+                 "--mesh", "--show-special", "--quiet"):
+        assert flag in text
+    assert "(default: 256)" in text and "(default: 4096)" in text

@@ -366,6 +366,55 @@ def test_images(server, reference_llm):
     assert_clean(server.target)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f"}}]  # short: the conversation fits max_seq_len 256
+
+
+def _conversation():
+    """A conversation with every message kind, and its GenerateRequest.chat form (the image as raw RGB)."""
+    conv = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "look it up", "tool_calls": [
+                {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": '{"q": 1}'}}]},
+            {"role": "tool", "tool_call_id": "functions.f:0", "content": "a cat"}]
+    chat = pb.Chat(tools_json=json.dumps(TOOLS))
+    chat.messages.add(role="system", content="Be brief.")
+    user = chat.messages.add(role="user")
+    user.parts.add(image=_raw(IMAGE))
+    user.parts.add(text="What is it?")
+    chat.messages.add(role="assistant", reasoning_content="look it up").tool_calls.add(
+        id="functions.f:0", name="f", arguments='{"q": 1}')
+    chat.messages.add(role="tool", tool_call_id="functions.f:0", content="a cat")
+    return conv, chat
+
+
+def test_chat(server, reference_llm):
+    """GenerateRequest.chat gives `LLM.chat`'s greedy reply for the same conversation (images, tool calls, tool
+    results, declared tools), and the last response carries it parsed."""
+    from k3jax import SamplingParams
+    from k3jax.xtml import TOOLS_BEGIN
+
+    conv, chat = _conversation()
+    cases = [(conv, chat), ([{"role": "user", "content": "Hi there"}], pb.Chat(messages=[pb.ChatMessage(
+        role="user", content="Hi there")]))]
+    assert info(server.target, check=False).features.chat
+    with grpc.insecure_channel(server.target) as ch:
+        stub = pb.GenerationStub(ch)
+        for i, (msgs, c) in enumerate(cases):
+            want = reference_llm.chat(msgs, SamplingParams(max_new_tokens=MNT), tools=TOOLS if i == 0 else None)[0]
+            toks, text, last = collect(stub.Generate(pb.GenerateRequest(chat=c, max_new_tokens=MNT), metadata=MD,
+                                                     timeout=120))
+            assert toks == want.token_ids
+            assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+            r = want.message
+            assert (last.reply.content, last.reply.HasField("reasoning_content")) == (r.content,
+                                                                                      r.reasoning_content is not None)
+            assert [(t.id, t.name, t.arguments) for t in last.reply.tool_calls] == [
+                (t.id, t.name, t.arguments) for t in r.tool_calls]
+            tb = reference_llm.tokenizer.special_tokens[TOOLS_BEGIN]  # the streamed text stops at a tool-call section
+            assert text == reference_llm.tokenizer.decode(toks[: toks.index(tb)] if tb in toks else toks)
+    assert_clean(server.target)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 def _bad_cases():
     empty_ids = pb.GenerateRequest(max_new_tokens=4)
@@ -423,7 +472,26 @@ def _bad_cases():
         ("undecodable image", request([PH], images=[pb.Image(encoded=b"not an image")]), grpc.StatusCode.INVALID_ARGUMENT,
          "images[0].encoded"),
         ("empty image", request([PH], images=[pb.Image()]), grpc.StatusCode.INVALID_ARGUMENT, "images[0] is empty"),
+        ("chat without messages", chat_request(), grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty"),
+        ("chat role", chat_request(pb.ChatMessage(role="robot", content="x")), grpc.StatusCode.INVALID_ARGUMENT,
+         "chat.messages[0].role"),
+        ("chat tool without id", chat_request(pb.ChatMessage(role="user", content="x"), pb.ChatMessage(role="tool",
+                                              content="r")), grpc.StatusCode.INVALID_ARGUMENT, "tool_call_id"),
+        ("chat tools_json", chat_request(pb.ChatMessage(role="user", content="x"), tools_json="[{"),
+         grpc.StatusCode.INVALID_ARGUMENT, "chat.tools_json"),
+        ("chat empty part", chat_request(pb.ChatMessage(role="user", parts=[pb.ContentPart()])),
+         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].parts[0] is empty"),
+        ("chat bad image", chat_request(pb.ChatMessage(role="user", parts=[pb.ContentPart(image=pb.Image(
+            encoded=b"??"))])), grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].parts[0].image.encoded"),
+        ("chat + images", chat_request(pb.ChatMessage(role="user", content="x"), images=[_raw(IMAGE)]),
+         grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[].parts"),
+        ("chat too long", chat_request(pb.ChatMessage(role="user", content="z" * 300)), grpc.StatusCode.INVALID_ARGUMENT,
+         "prompt"),
     ]
+
+
+def chat_request(*messages, tools_json="", **kw):
+    return pb.GenerateRequest(chat=pb.Chat(messages=messages, tools_json=tools_json), max_new_tokens=4, **kw)
 
 
 def test_bad_input_refused_and_others_unaffected(server, reference):
@@ -568,7 +636,7 @@ def test_metrics_endpoint(server):
 
 
 # ---- command lines -----------------------------------------------------------------------------
-def test_client_cli(server, reference, reference_llm, capsys):
+def test_client_cli(server, reference, reference_llm, capsys, tmp_path):
     from k3jax import SamplingParams
     from serve.client import main
 
@@ -587,6 +655,24 @@ def test_client_cli(server, reference, reference_llm, capsys):
     want = reference_llm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=MNT, repetition_penalty=0.4,
                                                                 presence_penalty=-2.0, frequency_penalty=-1.5))[0]
     assert [int(t) for t in capsys.readouterr().out.split()] == want.token_ids
+    want = reference_llm.chat([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}],
+                              SamplingParams(max_new_tokens=MNT))[0]
+    assert main(base + ["generate", "--chat", "--system", "S", "--prompt", "Hi", "--max-new-tokens", str(MNT), "--ids"]) == 0
+    assert [int(t) for t in capsys.readouterr().out.split()] == want.token_ids
+    conv, _ = _conversation()
+    np.save(tmp_path / "img.npy", IMAGE)
+    conv[1]["content"][0] = {"type": "image_url", "image_url": {"url": str(tmp_path / "img.npy")}}
+    (tmp_path / "conv.json").write_text(json.dumps(conv))
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    conv[1]["content"][0] = {"type": "image", "image": IMAGE}
+    want = reference_llm.chat(conv, SamplingParams(max_new_tokens=MNT), tools=TOOLS)[0]
+    assert main(base + ["generate", "--messages", str(tmp_path / "conv.json"), "--tools", str(tmp_path / "tools.json"),
+                        "--max-new-tokens", str(MNT), "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [int(t) for x in lines for t in x.get("token_ids", [])] == want.token_ids
+    assert lines[-1]["reply"].get("content", "") == want.message.content
+    assert main(base + ["generate", "--system", "S", "--prompt", "Hi"]) == 2
+    assert "--system and --tools need --chat" in capsys.readouterr().err
     assert main(base + ["info"]) == 0
     assert json.loads(capsys.readouterr().out)["limits"]["max_seq_len"] == 256
     for argv in (base + ["generate", "--prompt", "hi", "--temperature", "-1"],  # refused by the server

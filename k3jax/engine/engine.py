@@ -337,6 +337,28 @@ class LLM:
                 bar.update(sum(r.status is Status.FINISHED for r in reqs) - before)
         return [r.to_output() for r in reqs]
 
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling: SamplingParams | Sequence[SamplingParams] | None = None, *, tools: Sequence[dict] | None = None,
+             add_generation_prompt: bool = True, progress: bool = False, **template_kwargs) -> list[RequestOutput]:
+        """Reply to one conversation (a list of OpenAI-style messages) or to each of a list of them, rendered with
+        the model's chat format (`k3jax.xtml`: the checkpoint's template, else Kimi's). Images go in the messages
+        (`{"type": "image", "image": ...}` parts). A reply stops at its end-of-turn token; each output's `message`
+        holds it parsed (`ChatReply`: content, reasoning_content, tool_calls; `.to_message()` continues the
+        conversation). Raises ValueError naming a bad message before anything runs."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(convs)
+        if len(params) != len(convs):
+            raise ValueError(f"{len(params)} sampling params for {len(convs)} conversations")
+        fmt = self.model.chat_format
+        prompts = [fmt.render(c, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+                   for c in convs]
+        outs = self.generate([p.token_ids for p in prompts], [p.sampling(s) for p, s in zip(prompts, params)],
+                             progress=progress, images=[p.images or None for p in prompts])
+        for o in outs:
+            o.message = fmt.parse(o.token_ids)
+        return outs
+
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
                images: Sequence | None = None) -> Iterator["StreamDelta"]:
         """Yield new tokens/text of one request as they arrive; the last delta has `finished` set."""

@@ -30,6 +30,8 @@ class RequestOutput:
     # with SamplingParams.logprobs: per generated token {token id: log-probability} (the sampled token and the
     # most likely ones); None otherwise
     logprobs: list[dict[int, float]] | None = None
+    # `LLM.chat`: the reply parsed into content, reasoning and tool calls (`k3jax.xtml.ChatReply`); None otherwise
+    message: object = None
 
     @property
     def finished(self) -> bool:
