@@ -192,7 +192,7 @@ def test_prefill_fused_inputs_give_the_same_step(tiny, monkeypatch, dtype):
     """`model.kda.PREFILL_FUSED_INPUTS` (the prefill segment's L2 norm and gate left to the chunk
     entry point, which the GPU prep kernel fuses; on the CPU `ref.fused_inputs_ref` computes them)
     is the same model: a mixed step (decodes, a fresh and a continued prefill) gives the same logits
-    and states (to f32 rounding) and the same greedy tokens, in f32 and bf16."""
+    and states (to f32 rounding in f32, to bf16 rounding in bf16) and the same greedy tokens."""
     import dataclasses
 
     from k3jax.model import kda as kda_model
@@ -227,7 +227,11 @@ def test_prefill_fused_inputs_give_the_same_step(tiny, monkeypatch, dtype):
         return out
 
     (plain, st_p), (fused, st_f) = go(False), go(True)
-    tol = 1e-4  # (XLA fuses the gate differently: f32 rounding, which this random model amplifies)
+    # f32: XLA fuses the gate differently (f32 rounding, which this random model amplifies). bf16: the two paths
+    # round q, k and the gate to bf16 at different points, and XLA:CPU's unoptimised code (tests/conftest.py) on a
+    # CPU with native bf16 (avx512_bf16) converts them differently from its optimised code: bf16-level agreement
+    # (measured 2.2% of the largest logit there; elsewhere and optimised, f32-level)
+    tol = 1e-4 if dtype == "float32" else 5e-2
     for a, b in zip(fused, plain):
         np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
         assert np.argmax(a) == np.argmax(b)
