@@ -28,6 +28,17 @@ class UserError(Exception):
     """A problem with the command line input: reported in one line, no traceback."""
 
 
+def _bias_pair(text: str) -> tuple[int, float]:
+    """`--logit-bias ID=BIAS` -> (ID, BIAS); argparse reports a bad one as a usage error naming the flag."""
+    tid, sep, val = text.partition("=")
+    try:
+        if sep:
+            return int(tid), float(val)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected ID=BIAS (an integer token id, a number), got {text!r}")
+
+
 def _add_common_args(p: argparse.ArgumentParser, max_new_tokens: int = SamplingParams.max_new_tokens):
     """The flags `generate` and `chat` share: model, sampling, memory layout, mesh, output."""
     p.add_argument("--model", default="k3-tiny", metavar="PRESET_OR_DIR",
@@ -54,6 +65,9 @@ def _add_common_args(p: argparse.ArgumentParser, max_new_tokens: int = SamplingP
     p.add_argument("--frequency-penalty", type=float, default=SamplingParams.frequency_penalty, metavar="F",
                    help="subtract F times a token's count in the output so far from its logit, in [-2, 2]; 0 "
                         "disables it (default: %(default)s)")
+    p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS", type=_bias_pair,
+                   help="add BIAS in [-100, 100] to token ID's logit before sampling (greedy too; repeatable): -100 all "
+                        "but bans the token, 100 all but forces it (default: none)")
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="sampling seed for reproducible output (default: a fresh random seed per run)")
     p.add_argument("--stop", action="append", default=None, metavar="STR",
@@ -127,7 +141,8 @@ def _sampling(args) -> SamplingParams:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
+                              seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
+                              logit_bias=dict(args.logit_bias) if args.logit_bias else None)
     try:
         sampling.validate()
     except ValueError as e:

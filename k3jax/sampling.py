@@ -9,8 +9,9 @@ whose probability reaches top_p) and to the tokens whose probability is at least
 one, a ratio no renormalisation changes.
 
 Penalties (`apply_penalties`: repetition over the prompt and output tokens, presence and frequency over the
-output tokens, vLLM's definitions) change the logits before all of that, greedy rows included; the engine keeps
-each penalised request's token counts on the device (`penalized`, `count_sampled`, `penalty_counts`).
+output tokens, vLLM's definitions) and then the logit bias change the logits before all of that, greedy rows
+included; the engine keeps each such request's token counts and bias row on the device (`penalized`,
+`count_sampled`, `penalty_counts`, `bias_row`).
 
 Randomness is per request and reproducible: the key of a request's n-th generated token is
 `request_key(seed, n)`, a pure function of (seed, n), so a seeded request gets the same tokens
@@ -34,6 +35,7 @@ _MASK64 = (1 << 64) - 1
 _MIN_TEMPERATURE = 1e-6  # below this, logits / T could overflow; such rows are greedy in effect
 MAX_LOGPROBS = 20  # most alternatives a request may ask logprobs for (the step computes this many per row)
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (as vLLM's and OpenAI's)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 PROMPT_BIT = 1 << 30  # penalty counts: bit 30 marks a prompt token, the low bits count the token in the output
 
 
@@ -58,10 +60,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # {token id: bias} added to those tokens' logits after the penalties, before temperature and the filters (greedy
+    # too; OpenAI's and vLLM's logit_bias): -100 all but bans a token, +100 all but forces it; None: off
+    logit_bias: dict[int, float] | None = None
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_logit_row(self) -> bool:
+        """Whether the request holds a row of the engine's per-request logit state (penalty counts, logit bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -114,6 +124,18 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), got {v!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be None or a dict {{token id: bias}}, got {type(bias).__name__}")
+            bad = sorted({k for k in bias if not is_int(k) or k < 0 or (vocab_size is not None and k >= vocab_size)},
+                         key=repr)
+            if bad:
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"logit_bias: unknown token ids {bad[:5]} (ids lie in {bound})")
+            for k, v in bias.items():
+                if not is_real(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:  # NaN fails too
+                    raise ValueError(f"logit_bias[{k}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {v!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         return self
@@ -232,11 +254,21 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, repetition: jax.Array,
 
 
 def penalized(logits: jax.Array, counts: jax.Array, rows: jax.Array, repetition: jax.Array, presence: jax.Array,
-              frequency: jax.Array) -> jax.Array:
+              frequency: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """`apply_penalties` with each logit row's counts gathered from the engine's buffer counts i32[P, X] at
-    rows i32[R] (row 0 is all zeros: a row without penalties comes back bit for bit). Always computed (a gather
-    and a few elementwise passes over [R, X]): no device-side branch (see `sample`)."""
-    return apply_penalties(logits, jnp.asarray(counts)[rows], repetition, presence, frequency)
+    rows i32[R], then the logit bias rows bias f32[P, X] (`bias_row`) added (row 0 is all zeros: a row without
+    penalties or bias comes back bit for bit). Always computed (gathers and a few elementwise passes over [R, X]):
+    no device-side branch (see `sample`)."""
+    out = apply_penalties(logits, jnp.asarray(counts)[rows], repetition, presence, frequency)
+    return out if bias is None else out + jnp.asarray(bias)[rows]
+
+
+def bias_row(logit_bias: dict[int, float] | None, vocab_size: int) -> np.ndarray:
+    """Host: one request's dense logit bias row f32[X] (zeros without `logit_bias`)."""
+    row = np.zeros(vocab_size, np.float32)
+    if logit_bias:
+        row[np.fromiter(logit_bias.keys(), np.int64)] = np.fromiter(logit_bias.values(), np.float32)
+    return row
 
 
 def count_sampled(counts: jax.Array, rows: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -96,6 +96,8 @@ def encode_request(req) -> list:
 def decode_request(core, item):
     rid, ids, sp = item
     prompt = np.frombuffer(base64.b64decode(ids), np.int32).tolist()
+    if sp.get("logit_bias"):  # JSON made the token ids strings
+        sp["logit_bias"] = {int(k): v for k, v in sp["logit_bias"].items()}
     return core.make_request(prompt, SamplingParams(**sp), request_id=rid)
 
 

@@ -91,6 +91,24 @@ def test_stop_string_ends_after_completing_token(model, greedy):
     assert out == toks[: first + 1] and stats["finish_reason"] == "stop"
 
 
+def test_logit_bias(model, greedy):
+    """The single-request loop adds the bias after the penalties: +100 forces a token, -100 bans the greedy one
+    (the rest is the full forward's argmax with the bias added); `--logit-bias ID=BIAS` parses to it."""
+    from k3jax.cli import _build_parser, _sampling
+
+    assert _gen(model, SamplingParams(max_new_tokens=N_NEW, logit_bias={65: 100.0}))[0] == [65] * N_NEW
+    first = greedy[0][0]
+    toks, _ = _gen(model, SamplingParams(max_new_tokens=3, logit_bias={first: -100.0}))
+    seq = model.tokenizer.encode(PROMPT)
+    for t in toks:
+        row = model.logits(seq)[-1]
+        row[first] -= 100.0
+        assert t == int(row.argmax()) and t != first
+        seq.append(t)
+    args = _build_parser().parse_args(["generate", "--prompt", "x", "--logit-bias", "65=100", "--logit-bias", "3=-1.5"])
+    assert _sampling(args).logit_bias == {65: 100.0, 3: -1.5}
+
+
 def test_seeded_sampling_is_reproducible(model):
     sp = SamplingParams(max_new_tokens=N_NEW, temperature=1.0, top_k=50, seed=7)
     assert _gen(model, sp)[0] == _gen(model, sp)[0]
@@ -187,6 +205,16 @@ def test_cli_chat(model, monkeypatch, capsys):
     assert capsys.readouterr().out == want
     assert main(["chat", "--message", " ", *shape]) == 2
     assert "--message is empty" in capsys.readouterr().err
+
+
+def test_cli_logit_bias_errors(capsys):
+    with pytest.raises(SystemExit) as e:  # argparse: a malformed pair
+        main(["generate", "--prompt", "x", "--logit-bias", "65"])
+    assert e.value.code == 2 and "--logit-bias: expected ID=BIAS" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--logit-bias", "65=101"]) == 2
+    assert "logit_bias[65] must be in [-100, 100]" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--logit-bias", "9999=1", "-q"]) == 2  # checked against the vocabulary
+    assert "logit_bias: unknown token ids [9999]" in capsys.readouterr().err
 
 
 def test_cli_error_subprocess_has_no_traceback():

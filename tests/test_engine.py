@@ -150,9 +150,10 @@ def test_min_p_reaches_the_step(model, reference):
 
 
 def _penalized_greedy(model, prompt, out, sp):
-    """The greedy tokens under `sp`'s penalties from `Model.logits` of the whole sequence (host reference), and the
-    smallest top-2 margin on the way (DESIGN section 4: a mismatch must trace to a margin below 1e-4)."""
-    from k3jax.sampling import apply_penalties, penalty_counts
+    """The greedy tokens under `sp`'s penalties and logit bias from `Model.logits` of the whole sequence (host
+    reference), and the smallest top-2 margin on the way (DESIGN section 4: a mismatch must trace to a margin below
+    1e-4)."""
+    from k3jax.sampling import apply_penalties, bias_row, penalty_counts
 
     rows = np.asarray(model.logits(prompt + out))[len(prompt) - 1:-1]
     f = lambda v: np.array([v], np.float32)
@@ -160,7 +161,7 @@ def _penalized_greedy(model, prompt, out, sp):
     for j, row in enumerate(rows):
         c = penalty_counts(prompt, out[:j], model.config.vocab_size)[None]
         r = np.asarray(apply_penalties(row[None], c, f(sp.repetition_penalty), f(sp.presence_penalty),
-                                       f(sp.frequency_penalty)))[0]
+                                       f(sp.frequency_penalty)))[0] + bias_row(sp.logit_bias, model.config.vocab_size)
         want.append(int(r.argmax()))
         margin = min(margin, float(np.diff(np.sort(r)[-2:])[0]))
     return want, margin
@@ -168,17 +169,19 @@ def _penalized_greedy(model, prompt, out, sp):
 
 PENALTIES = [SamplingParams(max_new_tokens=10, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
              SamplingParams(max_new_tokens=10, repetition_penalty=0.4, presence_penalty=-2.0, frequency_penalty=-2.0),
-             SP, SamplingParams(max_new_tokens=10, repetition_penalty=0.7, presence_penalty=-1.0)]
+             SP, SamplingParams(max_new_tokens=10, repetition_penalty=0.7, presence_penalty=-1.0,
+                                logit_bias={101: 4.0, 32: -100.0, 257: 2.5, 7: 6.0})]
 
 
 @pytest.mark.parametrize("overlap, pressure", [(True, False), (False, False), (True, True)])
 def test_penalties(model, reference, overlap, pressure):
-    """Repetition / presence / frequency penalties (vLLM's definitions) over the prompt and every generated token,
-    counted on the device as the step samples them (with overlap the host learns a token a step late): each
-    penalised request's greedy tokens equal the host reference from the whole sequence's logits, a request without
-    penalties in the same batch keeps the plain greedy tokens, the prefix cache (a repeat of the prompts restores
-    from it) and preemption under memory pressure (rows rebuilt from prompt + outputs at re-admission) change
-    nothing; the single-request loop agrees; the speculative engine refuses penalties by name."""
+    """Repetition / presence / frequency penalties (vLLM's definitions) over the prompt and every generated token
+    (one request with a logit bias too, added after them), counted on the device as the step samples them (with
+    overlap the host learns a token a step late): each penalised request's greedy tokens equal the host reference
+    from the whole sequence's logits, a request without penalties in the same batch keeps the plain greedy tokens,
+    the prefix cache (a repeat of the prompts restores from it) and preemption under memory pressure (rows rebuilt
+    from prompt + outputs at re-admission) change nothing; the single-request loop agrees; the speculative engine
+    refuses penalties and logit bias by name."""
     phase1, _ = workload()
     sps = PENALTIES
     if pressure:  # longer outputs, all penalised: requests are preempted mid-decode and resume with outputs
@@ -203,8 +206,10 @@ def test_penalties(model, reference, overlap, pressure):
     assert list(generate_stream(model, phase1[0], sps[0], prefill_chunk=128, max_seq_len=512)) == outs[0]
     llm.check_invariants()
     if overlap:
-        with pytest.raises(ValueError, match="frequency_penalty: not supported with speculative"):
-            LLM(model, page_size=16, speculative="ngram", **ENGINE_KW).generate([[1, 2]], PENALTIES[1])
+        spec = LLM(model, page_size=16, speculative="ngram", **ENGINE_KW)
+        for sp in (PENALTIES[1], SamplingParams(logit_bias={3: 1.0})):
+            with pytest.raises(ValueError, match="logit_bias: not supported with speculative"):
+                spec.generate([[1, 2]], sp)
 
 
 def test_branch_point_second_sibling_restores_without_replay(model):

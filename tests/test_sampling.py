@@ -159,6 +159,36 @@ def test_penalties_against_numpy():
     np.testing.assert_array_equal(after, want)  # row 0 (nobody's) never counts
 
 
+def test_logit_bias():
+    """`bias_row` is the dense row of a {token: bias} dict; `penalized` adds each logit row's bias row from the
+    engine's buffer after the penalties (row 0: nobody's, zeros, so a plain row comes back bit for bit); a +100 bias
+    forces a token and a -100 bias bans the argmax, greedy and sampled alike."""
+    from k3jax.sampling import apply_penalties, bias_row, penalized
+
+    X_ = 40
+    logits = np.random.default_rng(3).normal(size=(3, X_)).astype(np.float32) * 3
+    b = bias_row({4: 2.5, 39: -100.0}, X_)
+    assert b.dtype == np.float32 and b[4] == 2.5 and b[39] == -100 and np.count_nonzero(b) == 2
+    assert not bias_row(None, X_).any()
+    counts = np.zeros((3, X_), np.int32)
+    counts[1, 4] = 1
+    bias = np.stack([np.zeros(X_, np.float32), b, bias_row({0: 1.0}, X_)])
+    rep, pres, freq = (np.array(v, np.float32) for v in ([1.5, 1.0, 1.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]))
+    rows = np.array([1, 0, 2], np.int32)
+    out = np.asarray(penalized(logits, counts, rows, rep, pres, freq, bias))
+    np.testing.assert_array_equal(out[0], np.asarray(apply_penalties(logits[:1], counts[1:2], rep[:1], pres[:1],
+                                                                     freq[:1]))[0] + b)
+    np.testing.assert_array_equal(out[1], logits[1])
+    np.testing.assert_array_equal(out[2], logits[2] + bias[2])
+    top = logits.argmax(-1)
+    for temperature in (0.0, 1.0):
+        forced = logits + bias_row({7: 100.0}, X_)
+        np.testing.assert_array_equal(_run(forced, temperature, seed=1), [7, 7, 7])
+        banned = logits.copy()
+        banned[np.arange(3), top] -= 100.0
+        assert not (_run(banned, temperature, seed=2) == top).any()
+
+
 def test_empirical_distribution_matches_softmax():
     row = np.random.default_rng(1).normal(size=X).astype(np.float32) * 1.5
     for temperature in (1.0, 2.0):
@@ -210,6 +240,12 @@ def test_empirical_distribution_matches_softmax():
     (dict(presence_penalty=float("nan")), "presence_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(frequency_penalty=True), "frequency_penalty"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias"),
+    (dict(logit_bias={-1: 2.0}), "logit_bias: unknown token ids"),
+    (dict(logit_bias={"5": 2.0}), "logit_bias: unknown token ids"),
+    (dict(logit_bias={5: 100.5}), r"logit_bias\[5\]"),
+    (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\]"),
+    (dict(logit_bias={5: "1"}), r"logit_bias\[5\]"),
 ])
 def test_validate_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):

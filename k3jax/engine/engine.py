@@ -201,10 +201,10 @@ class EngineCore:
         if sampling.logprobs is not None and self.gamma:
             raise ValueError("logprobs: not supported with speculative decoding yet (the verify step returns no "
                              "log-probabilities); use an engine without speculative=")
-        if sampling.has_penalties and self.gamma:
-            raise ValueError("repetition_penalty / presence_penalty / frequency_penalty: not supported with speculative "
-                             "decoding yet (a verify block's tokens would each need the counts of the ones before); "
-                             "use an engine without speculative=")
+        if sampling.needs_logit_row and self.gamma:
+            raise ValueError("repetition_penalty / presence_penalty / frequency_penalty / logit_bias: not supported with "
+                             "speculative decoding yet (a verify block's tokens would each need the counts of the ones "
+                             "before); use an engine without speculative=")
         if isinstance(prompt, str):
             if tok is None:
                 raise ValueError("this model has no tokenizer: pass token ids")

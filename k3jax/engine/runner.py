@@ -18,7 +18,7 @@ import numpy as np
 
 from k3jax.model.context import StepBatch
 from k3jax.model.forward import forward, is_split
-from k3jax.sampling import count_sampled, is_hot, penalized, penalty_counts, request_keys, sample, token_logprobs
+from k3jax.sampling import bias_row, count_sampled, is_hot, penalized, penalty_counts, request_keys, sample, token_logprobs
 from k3jax.state import StateOps, init_state, init_unified_state, restore_checkpoints, snapshot_slots
 
 if TYPE_CHECKING:
@@ -214,13 +214,14 @@ def _engine_step(params, state, batch: StepBatch, ops: StateOps, prev_tokens, cf
 engine_step = jax.jit(_engine_step, static_argnames=("cfg", "impl"), donate_argnames=("state",))
 
 
-def _sample_step(logits, samp: SamplingBatch, pen, n_tokens: int, hot: bool, logprobs: bool):
-    """The step's tail: penalties -> sample -> count the samples into `pen` (i32[P, X], the penalty counts of the
-    requests with penalties, one row each: `sampling.apply_penalties`). Returns (sampled tokens padded to
+def _sample_step(logits, samp: SamplingBatch, pen, bias, n_tokens: int, hot: bool, logprobs: bool):
+    """The step's tail: penalties and logit bias -> sample -> count the samples into `pen` (i32[P, X], the penalty
+    counts of the requests with penalties or a bias, one row each: `sampling.apply_penalties`; bias f32[P, X] their
+    bias rows). Returns (sampled tokens padded to
     n_tokens, `token_logprobs` of the raw logits by logit row or None, pen). `hot` / `logprobs` (static, decided
     on the host: `sampling.is_hot`, any row asking for logprobs) choose the variant, small programs compiled
     apart from the forward, instead of device-side branches."""
-    scored = penalized(logits, pen, samp.pen_row, samp.repetition, samp.presence, samp.frequency)
+    scored = penalized(logits, pen, samp.pen_row, samp.repetition, samp.presence, samp.frequency, bias)
     toks = sample(scored, samp.temperature, samp.top_k, samp.top_p, samp.keys, samp.min_p, hot=hot)
     lp = token_logprobs(logits, toks) if logprobs else None
     pen = count_sampled(pen, samp.pen_row, toks)
@@ -230,9 +231,9 @@ def _sample_step(logits, samp: SamplingBatch, pen, n_tokens: int, hot: bool, log
 sample_step = jax.jit(_sample_step, static_argnames=("n_tokens", "hot", "logprobs"), donate_argnames=("pen",))
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_penalty_row(pen, row, counts):
-    return pen.at[row].set(counts)
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _set_logit_rows(pen, bias, row, counts, bias_row):
+    return pen.at[row].set(counts), bias.at[row].set(bias_row)
 
 MOVE_BUCKETS = (8, 64, 512, 4096)  # compaction copies per step are padded to these (one compile each)
 
@@ -302,6 +303,7 @@ class ModelRunner:
                 self.state = init_state(self.cfg, slots, pages, page_size)
             self.prev = jnp.zeros((self.n_max,), jnp.int32)
             self.pen = jnp.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), jnp.int32)
+            self.bias = jnp.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), jnp.float32)
         else:
             from sharding.step import make_sharded_step
 
@@ -316,8 +318,10 @@ class ModelRunner:
             self.state = self.sharded.init_state(slots, pages, page_size)
             self.prev = self.sharded.replicate(np.zeros((self.n_max,), np.int32))
             self.pen = self.sharded.replicate(np.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), np.int32))
-        # penalty counts: row r > 0 belongs to the running request the scheduler gave it (`Request.pen_row`, one
-        # per running request with penalties: max_running rows), row 0 to none (its entries stay 0)
+            self.bias = self.sharded.replicate(np.zeros((buckets.decode[-1] + 1, self.cfg.vocab_size), np.float32))
+        # penalty counts and logit bias: row r > 0 belongs to the running request the scheduler gave it
+        # (`Request.pen_row`, one per running request with penalties or a logit bias: max_running rows), row 0 to
+        # none (its entries stay 0)
 
     def _shape(self, n_decode: int, n_prefill_tokens: int) -> tuple[int, int, int]:
         if self.buckets.single:
@@ -349,7 +353,8 @@ class ModelRunner:
     def _sample(self, logits, samp: SamplingBatch, hot: bool, logprobs: bool):
         if self.sharded is not None:
             samp = self.sharded.replicate(samp)
-        tokens, lp, self.pen = sample_step(logits, samp, self.pen, n_tokens=self.n_max, hot=hot, logprobs=logprobs)
+        tokens, lp, self.pen = sample_step(logits, samp, self.pen, self.bias, n_tokens=self.n_max, hot=hot,
+                                           logprobs=logprobs)
         return tokens, lp
 
     def _apply_moves(self) -> None:
@@ -385,9 +390,11 @@ class ModelRunner:
         top_k, keys = np.zeros(R, np.int32), np.zeros((R, 2), np.uint32)
         pen_row, repetition = np.zeros(R, np.int32), np.ones(R, np.float32)
         presence, frequency = np.zeros(R, np.float32), np.zeros(R, np.float32)
-        for req in plan.pen_init:  # requests admitted by this plan with penalties: their rows from the prompt
-            row = (np.int32(req.pen_row), penalty_counts(req.prompt, req.output, self.cfg.vocab_size))
-            self.pen = _set_penalty_row(self.pen, *(row if self.sharded is None else self.sharded.replicate(row)))
+        for req in plan.pen_init:  # requests admitted by this plan with penalties or a bias: their rows
+            rows = (np.int32(req.pen_row), penalty_counts(req.prompt, req.output, self.cfg.vocab_size),
+                    bias_row(req.sampling.logit_bias, self.cfg.vocab_size))
+            self.pen, self.bias = _set_logit_rows(self.pen, self.bias,
+                                                  *(rows if self.sharded is None else self.sharded.replicate(rows)))
         rows, seeds, positions = [], [], []
         for i, s in enumerate(seqs):
             seq = i if i < len(plan.decode) else D + (i - len(plan.decode))

@@ -227,7 +227,7 @@ class Scheduler:
                 self.tree.unlock(node)
             return False
         req.slot, req.status, req.plant_at = slot, Status.RUNNING, plant
-        if req.sampling.has_penalties:  # (running requests <= max_running: a row is always free)
+        if req.sampling.needs_logit_row:  # (running requests <= max_running: a row is always free)
             req.pen_row = self._pen_free.pop()
             self._pen_new.append(req)
         req.pages, req.owned = [], set()
@@ -507,7 +507,7 @@ class Scheduler:
             own(page_owner, req.owned, f"request {req.id}")
             assert req.owned <= set(req.pages), f"request {req.id} owns pages outside its page table"
             own(slot_owner, [s for s in (req.slot, req.extra) if s is not None], f"request {req.id}")
-            assert (req.pen_row is not None) == req.sampling.has_penalties, f"{req.id}: penalty row mismatch"
+            assert (req.pen_row is not None) == req.sampling.needs_logit_row, f"{req.id}: penalty row mismatch"
             own(pen_owner, [req.pen_row] if req.pen_row is not None else [], f"request {req.id}")
         own(pen_owner, self._pen_free, "penalty free list")
         assert set(pen_owner) == set(range(1, self.cfg.max_running + 1)), "a penalty row is lost"

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from k3jax.engine.runner import SeqWork, pack_step
-from k3jax.sampling import (SamplingParams, apply_penalties, is_hot, penalty_counts, request_key, resolve_seed,
+from k3jax.sampling import (SamplingParams, apply_penalties, bias_row, is_hot, penalty_counts, request_key, resolve_seed,
                             sample)
 from k3jax.tokenizer import IncrementalDecoder
 
@@ -76,6 +76,7 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     seed = resolve_seed(sampling.seed)
     # penalties: the request's counts kept on the host (this loop knows every token before the next step)
     counts = penalty_counts(prompt, [], cfg.vocab_size)[None] if sampling.has_penalties else None
+    bias = bias_row(sampling.logit_bias, cfg.vocab_size)[None] if sampling.logit_bias else None
     pen = [np.array([x], np.float32) for x in (sampling.repetition_penalty, sampling.presence_penalty,
                                                 sampling.frequency_penalty)]
 
@@ -108,6 +109,8 @@ def generate_stream(model, prompt_ids: Sequence[int], sampling: SamplingParams, 
     for n in range(max_new):
         if counts is not None:
             logits = _penalize(logits, counts, *pen)
+        if bias is not None:
+            logits = logits + bias
         tok = int(np.asarray(sample(logits, temperature, top_k, top_p, request_key(seed, n)[None], min_p, hot=hot))[0])
         if counts is not None:
             counts[0, tok] += 1
