@@ -27,7 +27,7 @@ import datetime
 import io
 import json
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 IM_END, IM_USER, IM_ASSISTANT, IM_SYSTEM = "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>"
 IM_MIDDLE = "<|im_middle|>"
@@ -263,15 +263,51 @@ class ChatFormat:
                         call[1] += p
             else:
                 content.append(p)
-        text = "".join(content)
-        reasoning = None
-        if THINK_CLOSE in text:
-            head, text = text.split(THINK_CLOSE, 1)
-            reasoning = head.split(THINK_OPEN, 1)[1] if THINK_OPEN in head else head
-            text = text.lstrip("\n")
-        elif text.lstrip().startswith(THINK_OPEN):  # cut off while thinking
-            reasoning, text = text.lstrip()[len(THINK_OPEN):], ""
-        return ChatReply(text, reasoning, calls)
+        split = ReasoningSplitter()
+        reasoning, text = split.push("".join(content), final=True)
+        return ChatReply(text, reasoning if split.thinking else None, calls)
+
+
+class ReasoningSplitter:
+    """A reply's text -> (reasoning, content), piece by piece as it streams (`push` returns the new parts). A reply
+    that opens with `<think>` (after any whitespace) is reasoning up to `</think>`, then content (the newlines right
+    after the tag dropped); a reply that does not is all content. Text that could still turn out to be a tag is held
+    back until it cannot, or until `final`; `thinking` tells whether the reply opened with `<think>`."""
+
+    def __init__(self):
+        self.buf, self.state, self.thinking = "", "start", False
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buf += text
+        reasoning = content = ""
+        while True:
+            if self.state == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf, self.state, self.thinking = head[len(THINK_OPEN):], "reasoning", True
+                elif THINK_OPEN.startswith(head) and not final:  # may still become <think>
+                    return reasoning, content
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                i = self.buf.find(THINK_CLOSE)
+                if i >= 0:
+                    reasoning += self.buf[:i]
+                    self.buf, self.state = self.buf[i + len(THINK_CLOSE):], "after"
+                    continue
+                keep = 0 if final else next((k for k in range(len(THINK_CLOSE) - 1, 0, -1)
+                                             if self.buf.endswith(THINK_CLOSE[:k])), 0)
+                reasoning += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                return reasoning, content
+            elif self.state == "after":
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf and not final:
+                    return reasoning, content
+                self.state = "content"
+            else:
+                content, self.buf = content + self.buf, ""
+                return reasoning, content
 
 
 def _tool_call(call_id: str, arguments: str) -> ToolCall:
@@ -425,13 +461,3 @@ def load_template(directory: str | os.PathLike) -> str | None:
         tmpl = named.get("default")
     return tmpl if isinstance(tmpl, str) else None
 
-
-def messages_with_images(text: str, images: Sequence = (), system: str | None = None) -> list[dict]:
-    """A one-turn conversation: an optional system message, then a user message with `images` before `text`."""
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-    if images:
-        msgs.append({"role": "user", "content": [*({"type": "image", "image": im} for im in images),
-                                                 {"type": "text", "text": text}]})
-    else:
-        msgs.append({"role": "user", "content": text})
-    return msgs

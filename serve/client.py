@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="subtract F times a token's count in the output so far from its logit, in [-2, 2] "
                         "(default: 0, off)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit before sampling (repeatable; default: none)")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="finish after the token that completes STR (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], metavar="ID",
@@ -283,6 +285,14 @@ def _generate(args, channel) -> int:
             setattr(req.sampling, f, v)
     for path in args.image if not chat else ():
         _read_image(req.images.add(), path, "--image")
+    for item in args.logit_bias:
+        tid, sep, val = item.partition("=")
+        try:
+            req.sampling.logit_bias[int(tid)] = float(val)
+            if not sep:
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--logit-bias must be ID=BIAS (an integer token id, a number), got {item!r}") from None
     req.stop.extend(args.stop)
     req.stop_token_ids.extend(args.stop_token_id)
     req.ignore_eos = args.ignore_eos

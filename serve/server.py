@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -45,7 +46,10 @@ else:
     _MISSING = None
 
 from k3jax.media import prepare as prepare_media
-from k3jax.xtml import TOOLS_BEGIN
+from serve.common import BIG_TEXT as _BIG_TEXT
+from serve.common import MAX_IMAGE_PIXELS, ReplyStream, RequestError, decode_image_bytes
+from serve.common import hostport as _hostport
+from serve.common import invalid as _invalid
 from serve import pb
 from serve.metrics import Metrics
 
@@ -54,7 +58,6 @@ log = logging.getLogger("k3jax.serve")
 _EXIT_USAGE = 2
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 _OPEN_METHODS = ("/grpc.health.v1.Health/",)  # callable without the API key
-_BIG_TEXT = 16384  # text prompts longer than this (chars) are tokenized off the event loop
 _KEEPALIVE = [("grpc.keepalive_time_ms", 30_000),  # ping clients with open calls: a vanished client's stream is
               ("grpc.keepalive_timeout_ms", 20_000),  # cancelled (and its request aborted) within ~50 s
               ("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
@@ -87,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None, metavar="N",
                    help="serve Prometheus metrics at http://HOST:N/metrics; 0 picks a free port (logged) "
                         "(default: off)")
+    s.add_argument("--http-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health; docs/serving.md) on this port; 0 picks a free one (logged) (default: off)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id the HTTP API reports and accepts in 'model' (default: --model)")
     s.add_argument("--api-key", default=os.environ.get("K3JAX_API_KEY"), metavar="KEY",
                    help="require metadata 'authorization: Bearer KEY' (or 'x-api-key: KEY') on every call except "
                         "health checks; calls without it get UNAUTHENTICATED (default: $K3JAX_API_KEY, else off)")
@@ -189,8 +197,10 @@ def check_args(args) -> None:
         v = getattr(args, flag)
         if v < (1 if flag in ("max_message_bytes", "default_max_new_tokens") else 0):
             raise UserError(f"--{flag.replace('_', '-')} must be {'>= 1' if v < 1 else '>= 0'}, got {v}")
-    if args.port > 65535 or (args.metrics_port is not None and not 0 <= args.metrics_port <= 65535):
-        raise UserError("--port and --metrics-port must be in [0, 65535]")
+    if args.port > 65535 or any(p is not None and not 0 <= p <= 65535 for p in (args.metrics_port, args.http_port)):
+        raise UserError("--port, --metrics-port and --http-port must be in [0, 65535]")
+    if args.served_model_name is not None and not args.served_model_name:
+        raise UserError("--served-model-name is empty")
     if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
         raise UserError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
     if args.max_new_tokens_limit is not None and not 1 <= args.max_new_tokens_limit < args.max_seq_len:
@@ -215,17 +225,7 @@ def check_args(args) -> None:
 
 
 # ---- the service -----------------------------------------------------------------------------
-class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
-
-def _invalid(msg: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, msg)
-
-
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # a decoded image larger than this is refused (decompression bombs)
 
 
 def _decode_images(msgs) -> list:
@@ -248,23 +248,7 @@ def _decode_image(m, where: str):
             raise _invalid(f"{where}.raw.rgb has {n} bytes; height * width * 3 = {h * w * 3}")
         return np.frombuffer(m.raw.rgb, np.uint8).reshape(h, w, 3)
     if kind == "encoded":
-        try:
-            import io
-
-            from PIL import Image
-        except ImportError:
-            raise _invalid(f"{where}.encoded: this server cannot decode image files (no Pillow); send "
-                           "raw images") from None
-        try:
-            with Image.open(io.BytesIO(m.encoded)) as im:
-                if im.width * im.height > MAX_IMAGE_PIXELS:
-                    raise _invalid(f"{where}.encoded: {im.width} x {im.height} pixels is above the limit "
-                                   f"{MAX_IMAGE_PIXELS}")
-                return np.asarray(im.convert("RGB"))
-        except RequestError:
-            raise
-        except Exception as e:  # PIL raises many types for bad data
-            raise _invalid(f"{where}.encoded: cannot decode the image ({type(e).__name__}: {e})") from None
+        return decode_image_bytes(m.encoded, f"{where}.encoded")
     raise _invalid(f"{where} is empty: set encoded or raw")
 
 
@@ -354,11 +338,28 @@ class GenerationServicer:
             return str(e)
         return None
 
+    def check_admission(self, rid: str) -> None:
+        """RequestError if a new request cannot start now: draining, the engine failed or still warming up, its id
+        in use, or the queue limit reached."""
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.engine is not None and self.engine.error is not None:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"the engine failed: {self.engine.error!r}")
+        if not self.ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is warming up; retry when health reports SERVING")
+        if rid in self.active:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
+        limit = self.args.max_queued_requests
+        if limit and len(self.active) >= self.args.max_running + limit:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"too many requests: {len(self.active)} open (max_running {self.args.max_running} "
+                               f"+ max_queued_requests {limit}); retry later")
+
     # ---- request parsing ----------------------------------------------------------------------
     def parse(self, req, text_ids: list[int] | None = None):
         """(prompt ids, SamplingParams) of a GenerateRequest; RequestError names the field.
         `text_ids`: the text prompt, already tokenized (a chat prompt: rendered)."""
-        from k3jax.sampling import MAX_PENALTY, SamplingParams
+        from k3jax.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 
         cfg, tok = self.llm.model.config, self.llm.model.tokenizer
         vocab = cfg.vocab_size
@@ -419,8 +420,18 @@ class GenerationServicer:
         stop = list(req.stop)
         if any(not x for x in stop):
             raise _invalid("stop: stop strings must not be empty")
+        bias = dict(s.logit_bias) or None
+        if bias is not None:
+            bad = sorted(k for k in bias if not 0 <= k < vocab)
+            if bad:
+                raise _invalid(f"sampling.logit_bias: unknown token ids {bad[:5]} (ids lie in [0, {vocab}))")
+            for k, v in bias.items():
+                if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:  # NaN fails too
+                    raise _invalid(f"sampling.logit_bias[{k}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                   f"got {v}")
         sampling = SamplingParams(max_new_tokens=mnt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+                                  logit_bias=bias,
                                   seed=s.seed if s.HasField("seed") else None, stop=stop or None,
                                   stop_token_ids=sorted(set(req.stop_token_ids)) or None, ignore_eos=req.ignore_eos,
                                   logprobs=req.logprobs if req.HasField("logprobs") else None)
@@ -440,20 +451,7 @@ class GenerationServicer:
         t0 = time.perf_counter()
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
-            if self.draining:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-            if self.engine is not None and self.engine.error is not None:
-                raise RequestError(grpc.StatusCode.INTERNAL, f"the engine failed: {self.engine.error!r}")
-            if not self.ready:
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is warming up; retry when health "
-                                                                "reports SERVING")
-            if rid in self.active:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
-            limit = self.args.max_queued_requests
-            if limit and len(self.active) >= self.args.max_running + limit:
-                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"too many requests: {len(self.active)} open (max_running {self.args.max_running} "
-                                   f"+ max_queued_requests {limit}); retry later")
+            self.check_admission(rid)
             text_ids = None
             tok = self.llm.model.tokenizer
             if request.WhichOneof("prompt") == "text" and len(request.text) > _BIG_TEXT and tok is not None:
@@ -463,42 +461,46 @@ class GenerationServicer:
                 chat = await self._render_chat(request)
                 text_ids = chat.token_ids
             ids, sampling = self.parse(request, text_ids)
-            media = None
+            images, field = None, "images"
             if chat is not None:
                 sampling = chat.sampling(sampling)  # the reply ends with its turn
-                if chat.images:
-                    if not self.vision_ok:
-                        raise _invalid("chat: images are " + ("for a vision model" if self.llm.model.config.vision is None
-                                                              else "not supported by a multi-process server yet"))
-                    try:  # the vision tower, off the event loop
-                        media = await asyncio.to_thread(prepare_media, self.llm.model, ids, chat.images)
-                    except ValueError as e:
-                        raise _invalid(f"chat: images: {e}") from None
+                images, field = chat.images or None, "chat: images"
             elif request.images:
-                if not self.vision_ok:
-                    raise _invalid("images: " + ("the model has no vision tower" if self.llm.model.config.vision is None
-                                                 else "not supported by a multi-process server yet"))
+                if not self.vision_ok:  # before decoding them
+                    raise _invalid(f"images: {self.vision_refusal}")
                 images = _decode_images(request.images)
-                try:  # the vision tower, off the event loop
-                    media = await asyncio.to_thread(prepare_media, self.llm.model, ids, images)
-                except ValueError as e:
-                    raise _invalid(f"images: {e}") from None
-            try:
-                self.engine.add_request(ids, sampling, rid, images=media)
-            except ValueError as e:
-                dup = "duplicate request id" in str(e)
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS if dup else grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"request_id {rid!r} is already in use" if dup else str(e)) from None
-            except RuntimeError as e:
-                raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
+            ids = await self.submit(ids, sampling, rid, images, field)
         except RequestError as err:
             await self._refuse(context, err, rid)
             return
-        if media is not None:
-            ids = media.token_ids  # the expanded prompt: what usage counts
-        self.active[rid] = t0
         log.debug("request %s: %d prompt tokens, max_new_tokens %d", rid, len(ids), sampling.max_new_tokens)
         await self._stream(rid, ids, t0, context, sampling.logprobs or 0, chat is not None)
+
+    @property
+    def vision_refusal(self) -> str:
+        return ("the model has no vision tower" if self.llm.model.config.vision is None
+                else "not supported by a multi-process server yet")
+
+    async def submit(self, ids: list[int], sampling, rid: str, images=None, field: str = "images") -> list[int]:
+        """Queue a parsed request on the engine (the vision tower first, off the event loop, for `images`); the
+        prompt ids usage counts (images expanded). RequestError naming the problem (`field`: the images' name)."""
+        media = None
+        if images:
+            if not self.vision_ok:
+                raise _invalid(f"{field}: {self.vision_refusal}")
+            try:
+                media = await asyncio.to_thread(prepare_media, self.llm.model, ids, images)
+            except ValueError as e:
+                raise _invalid(f"{field}: {e}") from None
+        try:
+            self.engine.add_request(ids, sampling, rid, images=media)
+        except ValueError as e:
+            dup = "duplicate request id" in str(e)
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS if dup else grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id {rid!r} is already in use" if dup else str(e)) from None
+        except RuntimeError as e:
+            raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
+        return media.token_ids if media is not None else ids
 
     async def _render_chat(self, request):
         """The chat prompt of a GenerateRequest (`k3jax.xtml.ChatPrompt`), rendered off the event loop."""
@@ -515,81 +517,34 @@ class GenerationServicer:
             raise _invalid(f"chat.{e}" if str(e).startswith("messages") else f"chat: {e}") from None
 
     async def _stream(self, rid, ids, t0, context, n_logprobs=0, chat=False):
-        from k3jax.tokenizer import IncrementalDecoder
-
-        tok = self.llm.model.tokenizer
-        detok = IncrementalDecoder(tok) if tok is not None else None
-        # a chat reply's text stops at its tool-call section: the calls come parsed in the last response's `reply`
-        tools_begin = tok.special_tokens.get(TOOLS_BEGIN) if chat else None
-        stream = self.engine.stream(rid)
-        done, n_out, last = False, 0, None
-        m = self.metrics
+        rs = ReplyStream(self, rid, len(ids), t0, chat)
         try:
-            async for delta in stream:
-                toks = list(delta.token_ids)
-                reason = delta.finish_reason if delta.finished else None
-                output = delta.output
-                if detok is not None and tools_begin in toks:  # the text ends here
-                    text = "".join(detok.push(t) for t in toks[: toks.index(tools_begin)]) + detok.flush()
-                    detok = None
-                else:
-                    text = "".join(detok.push(t) for t in toks) if detok is not None else ""
-                if reason is not None and detok is not None:
-                    text += detok.flush()
-                now = time.perf_counter()
-                if toks:
-                    if last is None:  # tokens that arrive together after the first: 0 s apart
-                        m.ttft.observe(now - t0)
-                        k, gap = len(toks) - 1, 0.0
-                    else:
-                        k = len(toks)
-                        gap = (now - last) / k
-                    for _ in range(k):
-                        m.itl.observe(gap)
-                    last = now
-                    m.tokens(len(toks))
-                n_out += len(toks)
-                resp = pb.GenerateResponse(request_id=rid, token_ids=toks, text=text)
-                for t, entry in zip(toks, delta.logprobs or ()):
-                    top = sorted(entry.items(), key=lambda kv: -kv[1])[:n_logprobs]
-                    resp.logprobs.add(logprob=entry[t], top_ids=[k for k, _ in top], top_logprobs=[v for _, v in top])
-                if reason is not None:
-                    if chat and output is not None:
-                        reply = self.llm.model.chat_format.parse(output.token_ids)
-                        resp.reply.content = reply.content
-                        if reply.reasoning_content is not None:
-                            resp.reply.reasoning_content = reply.reasoning_content
-                        for c in reply.tool_calls:
-                            resp.reply.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
-                    cached = output.cached_tokens if output is not None else 0
-                    resp.finish_reason = _REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
-                    resp.usage.prompt_tokens = len(ids)
-                    resp.usage.cached_tokens = cached
-                    resp.usage.completion_tokens = n_out
-                    done = True
-                    m.e2e.observe(now - t0)
-                    m.finished(reason, len(ids), cached)
-                    log.debug("request %s finished (%s): %d tokens, %d cached prompt tokens, %.3f s", rid, reason,
-                              n_out, cached, now - t0)
-                    await context.write(resp)
-                    return
-                if toks:
-                    await context.write(resp)
-            # the engine stream ended without a final delta: cannot happen unless the engine stopped
-            raise RuntimeError("the engine stopped")
+            async with contextlib.aclosing(rs.deltas()) as deltas:
+                async for delta, text in deltas:
+                    toks = list(delta.token_ids)
+                    resp = pb.GenerateResponse(request_id=rid, token_ids=toks, text=text)
+                    for t, entry in zip(toks, delta.logprobs or ()):
+                        top = sorted(entry.items(), key=lambda kv: -kv[1])[:n_logprobs]
+                        resp.logprobs.add(logprob=entry[t], top_ids=[k for k, _ in top], top_logprobs=[v for _, v in top])
+                    if delta.finished:
+                        if rs.reply is not None:
+                            resp.reply.content = rs.reply.content
+                            if rs.reply.reasoning_content is not None:
+                                resp.reply.reasoning_content = rs.reply.reasoning_content
+                            for c in rs.reply.tool_calls:
+                                resp.reply.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
+                        resp.finish_reason = _REASONS.get(delta.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+                        resp.usage.prompt_tokens = len(ids)
+                        resp.usage.cached_tokens = rs.cached
+                        resp.usage.completion_tokens = rs.n_out
+                        await context.write(resp)
+                        return
+                    if toks:
+                        await context.write(resp)
         except RuntimeError as e:  # the engine loop failed or stopped
-            m.error(grpc.StatusCode.INTERNAL.name)
+            self.metrics.error(grpc.StatusCode.INTERNAL.name)
             log.error("request %s failed: %s", rid, e)
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        finally:
-            if not done:  # cancelled, disconnected, deadline exceeded, drained past the timeout, or failed
-                self.engine.abort(rid)
-                m.requests.labels(finish_reason="cancelled").inc()
-                log.debug("request %s cancelled after %d tokens", rid, n_out)
-                if self.draining:
-                    self.unfinished_in_drain.append(rid)
-            await stream.aclose()
-            self.active.pop(rid, None)
 
     async def Abort(self, request, context):
         if not request.request_id:
@@ -612,7 +567,7 @@ class GenerationServicer:
         lim.prefill_chunk, lim.page_size = a.prefill_chunk, a.page_size
         f = info.features
         f.token_prompts = f.stop_strings = f.stop_token_ids = f.seeded_sampling = f.top_k = f.top_p = f.ignore_eos = f.min_p = True
-        f.logprobs = f.penalties = not a.speculative
+        f.logprobs = f.penalties = f.logit_bias = not a.speculative
         f.chat = self.ready and self.chat_error is None
         f.prefix_cache, f.overlap, f.unified_memory = a.prefix_cache, a.overlap, a.enable_unified_memory
         f.speculative, f.mesh = a.speculative or "", a.mesh or ""
@@ -737,10 +692,6 @@ def stop_process(proc, grace: float = 60.0) -> int:
     return proc.returncode
 
 
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 async def serve(args, make_llm=None) -> int:
     """Run the server until SIGTERM/SIGINT; the exit status. `make_llm()` (optional; called on a
     background thread) builds the engine's `LLM` instead of `LLM(args.model, ...)`: the hook
@@ -773,6 +724,16 @@ async def serve(args, make_llm=None) -> int:
             await server.stop(None)
             raise UserError(f"cannot bind the metrics port {_hostport(args.host, args.metrics_port)}: {e}") from None
         log.info("metrics on http://%s/metrics", _hostport(args.host, mport))
+    http = None
+    if args.http_port is not None:
+        from serve import openai
+
+        try:
+            http, _ = await openai.start(servicer, args)
+        except OSError as e:
+            await server.stop(None)
+            metrics.close()
+            raise UserError(f"cannot bind the HTTP port {_hostport(args.host, args.http_port)}: {e}") from None
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -799,13 +760,13 @@ async def serve(args, make_llm=None) -> int:
     if not built.done():
         log.info("stopping during warm-up")
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(0)
+        await asyncio.gather(server.stop(0), http.stop(0) if http is not None else asyncio.sleep(0))
         metrics.close()
         return 0
     if built.exception() is not None:
         e = built.exception()
         log.error("engine start-up failed: %s: %s", type(e).__name__, e)
-        await server.stop(0)
+        await asyncio.gather(server.stop(0), http.stop(0) if http is not None else asyncio.sleep(0))
         metrics.close()
         return _EXIT_USAGE if isinstance(e, (ValueError, NotImplementedError, FileNotFoundError)) else 1
     llm, dt = built.result()
@@ -833,7 +794,8 @@ async def serve(args, make_llm=None) -> int:
     metrics.ready.set(0)
     await health_servicer.enter_graceful_shutdown()
     t = time.perf_counter()
-    await server.stop(args.drain_timeout)
+    await asyncio.gather(server.stop(args.drain_timeout),
+                         http.stop(args.drain_timeout) if http is not None else asyncio.sleep(0))
     hk.cancel()
     # still open, or already cancelled by server.stop (their handlers may finish before it returns)
     left = list(dict.fromkeys(servicer.unfinished_in_drain + list(servicer.active)))

@@ -8,6 +8,7 @@ The SIGTERM test stops the shared server, so it runs last.
 """
 
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -40,7 +42,7 @@ MAX_MSG = 65536
 SERVER_FLAGS = ["--model", "k3-tiny", "--model-seed", "0", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
                 "--api-key", KEY, "--debug-invariants", "--max-message-bytes", str(MAX_MSG), "--drain-timeout", "60",
                 "--single-bucket", "--max-running", "8", "--max-seq-len", "256", "--prefill-chunk", "128",
-                "--max-prefill-seqs", "4"]
+                "--max-prefill-seqs", "4", "--http-port", "0"]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -67,6 +69,7 @@ class Server:
     """A `python -m serve.server` subprocess; records health statuses and a Generate attempt while it warms up."""
 
     def __init__(self, tmp: Path, flags=SERVER_FLAGS):
+        self.flags = flags
         self.log_path = tmp / "server.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "serve.server", *flags], cwd=ROOT, env=_server_env(),
@@ -88,6 +91,13 @@ class Server:
         except RuntimeError as e:
             raise RuntimeError(f"{e}:\n{self.log()}") from None
         self.port, self.metrics_port = int(self.target.rsplit(":", 1)[1]), int(metrics.rsplit(":", 1)[1].split("/")[0])
+        self.http = None
+        if "--http-port" in self.flags:  # logged right after the metrics address, before the model loads
+            deadline = time.monotonic() + timeout
+            while (m := re.search(r"OpenAI API on (http://\S+)/v1", self.log())) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert m, self.log()
+            self.http = m.group(1)
 
     def _watch_health(self):
         with grpc.insecure_channel(self.target) as ch:
@@ -319,16 +329,19 @@ def test_logprobs(server, reference_llm):
 
 
 def test_penalties(server, reference, reference_llm):
-    """sampling.repetition_penalty / presence_penalty / frequency_penalty reach the engine: the stream is
-    `LLM.generate`'s with the same penalties, and differs from the greedy one."""
+    """sampling.repetition_penalty / presence_penalty / frequency_penalty and logit_bias reach the engine: the stream
+    is `LLM.generate`'s with the same penalties and bias, and differs from the greedy one."""
     from k3jax import SamplingParams
 
     kw = dict(repetition_penalty=0.4, presence_penalty=-2.0, frequency_penalty=-1.5)
-    want = reference_llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=MNT, **kw))[0].token_ids
+    bias = {reference[1].token_ids[0]: -100.0, 65: 3.0}  # ban the greedy first token
     with grpc.insecure_channel(server.target) as ch:
-        toks, _, _ = collect(pb.GenerationStub(ch).Generate(request(PROMPTS[1], sampling=pb.SamplingParams(**kw)),
-                                                            metadata=MD, timeout=120))
-    assert toks == want and toks != reference[1].token_ids
+        for k, b in ((kw, None), ({}, bias), (kw, bias)):
+            want = reference_llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=MNT, logit_bias=b, **k))[0]
+            toks, _, _ = collect(pb.GenerationStub(ch).Generate(request(PROMPTS[1], sampling=pb.SamplingParams(
+                logit_bias=b, **k)), metadata=MD, timeout=120))
+            assert toks == want.token_ids and toks != reference[1].token_ids
+    assert info(server.target, check=False).features.logit_bias
     assert_clean(server.target)
 
 
@@ -460,6 +473,10 @@ def _bad_cases():
         ("frequency_penalty NaN", request([1], sampling=pb.SamplingParams(frequency_penalty=math.nan)),
          grpc.StatusCode.INVALID_ARGUMENT, "sampling.frequency_penalty"),
         ("empty stop string", request([1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+        ("logit_bias id", request([1], sampling=pb.SamplingParams(logit_bias={512: 1.0})),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias: unknown token ids [512]"),
+        ("logit_bias value", request([1], sampling=pb.SamplingParams(logit_bias={5: 150.0})),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias[5]"),
         ("unknown stop id", request([1], stop_token_ids=[9999]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ("oversized message", request("x" * (MAX_MSG + 1000)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
         ("long text prompt (tokenized off the event loop)", request("y" * 20000), grpc.StatusCode.INVALID_ARGUMENT,
@@ -538,6 +555,136 @@ def test_bad_input_refused_and_others_unaffected(server, reference):
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING
         toks, _, _ = collect(pb.GenerationStub(ch).Generate(request(PROMPTS[2]), metadata=MD, timeout=60))
     assert toks == reference[2].token_ids
+    assert_clean(server.target)
+
+
+# ---- the OpenAI-compatible HTTP API ------------------------------------------------------------
+def http(server, path, body=None, key=KEY, raw=False, timeout=120):
+    """(status, parsed JSON body) of one HTTP call; raw: (status, the body text) (server-sent events)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.http + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    return status, (text if raw else json.loads(text))
+
+
+def events(text):
+    """The JSON chunks of a server-sent event stream, which must end with `data: [DONE]`."""
+    blocks = [b for b in text.split("\n\n") if b]
+    assert blocks[-1] == "data: [DONE]", text[-300:]
+    return [json.loads(b.removeprefix("data: ")) for b in blocks[:-1]]
+
+
+def test_openai_completions(server, reference, reference_llm):
+    """/v1/completions (token-id and text prompts, greedy) gives `LLM.generate`'s text and usage, streamed or not;
+    logprobs are the engine's; /health and /v1/models answer."""
+    from k3jax import SamplingParams
+
+    assert http(server, "/health", key=None) == (200, {"status": "ok"})
+    st, models = http(server, "/v1/models")
+    assert st == 200 and [m["id"] for m in models["data"]] == ["k3-tiny"]
+    for i in (0, 3):
+        want = reference[i]
+        body = {"model": "k3-tiny", "prompt": PROMPTS[i], "max_tokens": MNT, "temperature": 0}
+        st, out = http(server, "/v1/completions", body)
+        assert st == 200, out
+        c = out["choices"][0]
+        assert c["text"] == want.text and c["finish_reason"] == {"length": "length", "eos": "stop"}[want.finish_reason]
+        assert out["usage"]["prompt_tokens"] == len(PROMPTS[i]) if i == 0 else out["usage"]["prompt_tokens"] > 0
+        assert out["usage"]["completion_tokens"] == len(want.token_ids) and out["object"] == "text_completion"
+        st, text = http(server, "/v1/completions", body | {"stream": True, "stream_options": {"include_usage": True}},
+                        raw=True)
+        chunks = events(text)
+        assert st == 200 and "".join(ch["choices"][0]["text"] for ch in chunks[:-1]) == want.text
+        assert chunks[-2]["choices"][0]["finish_reason"] == c["finish_reason"] and chunks[-1]["usage"] == out["usage"]
+    ref = reference_llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=MNT, logprobs=2))[0]
+    st, out = http(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": MNT, "temperature": 0, "logprobs": 2})
+    lp = out["choices"][0]["logprobs"]
+    np.testing.assert_allclose(lp["token_logprobs"], [e[t] for t, e in zip(ref.token_ids, ref.logprobs)], rtol=1e-5)
+    assert all(len(t) == 2 for t in lp["top_logprobs"]) and len(lp["tokens"]) == len(ref.token_ids)
+    assert_clean(server.target)
+
+
+def test_openai_chat(server, reference_llm):
+    """/v1/chat/completions with an image (a data: URL), a tool call, its result and declared tools gives
+    `LLM.chat`'s reply (content, tool calls, finish reason, usage); streamed, the role comes first and the deltas add
+    up to the same reply."""
+    import io
+
+    from PIL import Image
+
+    from k3jax import SamplingParams
+
+    conv, _ = _conversation()
+    buf = io.BytesIO()
+    Image.fromarray(IMAGE).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    sent = [dict(m) for m in conv]
+    sent[1] = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                           {"type": "text", "text": "What is it?"}]}
+    want = reference_llm.chat(conv, SamplingParams(max_new_tokens=MNT), tools=TOOLS)[0]
+    body = {"messages": sent, "tools": TOOLS, "max_tokens": MNT, "temperature": 0}
+    st, out = http(server, "/v1/chat/completions", body)
+    assert st == 200, out
+    msg, r = out["choices"][0]["message"], want.message
+    assert msg["role"] == "assistant" and msg["content"] == r.content
+    assert msg.get("tool_calls", []) == [c.to_dict() for c in r.tool_calls]
+    assert out["choices"][0]["finish_reason"] == ("tool_calls" if r.tool_calls else
+                                                  {"length": "length", "eos": "stop", "stop": "stop"}[want.finish_reason])
+    assert out["usage"]["completion_tokens"] == len(want.token_ids)
+    assert out["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    st, text = http(server, "/v1/chat/completions", body | {"stream": True}, raw=True)
+    chunks = events(text)
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert deltas[0]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"] == \
+        out["choices"][0]["finish_reason"]
+    assert "".join(d.get("content", "") for d in deltas) == r.content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == (r.reasoning_content or "")
+    assert_clean(server.target)
+
+
+@pytest.mark.parametrize("path, body, status, param, words", [
+    ("/v1/completions", b"{not json", 400, None, "not JSON"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "only 1"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "server limit"),
+    ("/v1/completions", {"prompt": [1, 2], "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": [1, 2], "logit_bias": {"5": 300}}, 400, "logit_bias", "logit_bias[5]"),
+    ("/v1/completions", {"prompt": [1] * 300}, 400, None, "max_seq_len"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "not served here"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "non-empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, 400, "messages", "data: URLs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice", "auto"),
+])
+def test_openai_bad_input(server, path, body, status, param, words):
+    st, out = http(server, path, body)
+    assert st == status and out["error"]["param"] == param and words in out["error"]["message"], out
+
+
+def test_openai_auth_and_disconnect(server):
+    """Without the API key: 401 (health stays open). A client that disconnects mid-stream aborts its request: no
+    running request, page or slot is left."""
+    import socket
+
+    st, out = http(server, "/v1/models", key=None)
+    assert st == 401 and out["error"]["type"] == "authentication_error"
+    host, port = server.http.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt": PROMPTS[4], "max_tokens": 150, "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while b"data: {" not in got:  # until the first chunk arrived
+            got += sock.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
     assert_clean(server.target)
 
 

@@ -132,6 +132,33 @@ def test_parse_reply(tok, fmt):
     assert fmt.parse(enc("plain")) == ChatReply("plain")
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("<think>plan it</think>\nChecking.", "plan it", "Checking."),
+    ("  <think>a</think>\n\nb", "a", "b"),
+    ("plain <think>text</think>", None, "plain <think>text</think>"),  # reasoning only opens a reply
+    ("<thi", None, "<thi"),
+    ("<think>still </thi", "still </thi", ""),  # cut off while thinking
+    ("<think></think>", "", ""),
+    ("", None, ""),
+])
+def test_reasoning_split_streams_like_the_whole(text, reasoning, content):
+    """`ReasoningSplitter` fed the text in random pieces gives the same reasoning and content as fed it whole
+    (what `parse` uses): a streamed reply's deltas add up to the parsed reply."""
+    from k3jax.xtml import ReasoningSplitter
+
+    whole = ReasoningSplitter()
+    assert whole.push(text, final=True) == (reasoning or "", content) and whole.thinking == (reasoning is not None)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        split, got = ReasoningSplitter(), ["", ""]
+        cuts = sorted(rng.integers(0, len(text) + 1, rng.integers(0, 5)).tolist())
+        for a, b in zip([0] + cuts, cuts + [len(text)]):
+            r, c = split.push(text[a:b])
+            got = [got[0] + r, got[1] + c]
+        r, c = split.push("", final=True)
+        assert [got[0] + r, got[1] + c] == [reasoning or "", content]
+
+
 def test_reply_round_trips_through_the_conversation(tok, fmt):
     reply = ChatReply("Sure.", "think", [ToolCall("functions.f:0", "f", '{"x": 1}')])
     msgs = [{"role": "user", "content": "go"}]
