@@ -345,10 +345,11 @@ def test_plain_step_has_no_device_branch():
     jaxprs = [jax.make_jaxpr(functools.partial(_engine_step, cfg=cfg, impl="xla"))(
         init_params(cfg, 0), fresh_state(cfg), mixed.batch, StateOps(i32(2), i32(2)), i32(2)).jaxpr]
     logits, pen = jnp.zeros((2, cfg.vocab_size)), jnp.zeros((3, cfg.vocab_size), jnp.int32)
+    bias = jnp.zeros((3, cfg.vocab_size), jnp.float32)
     for hot in (False, True):
         for lp in (False, True):
             tail = functools.partial(_sample_step, n_tokens=4, hot=hot, logprobs=lp)
-            jaxprs.append(jax.make_jaxpr(tail)(logits, SamplingBatch.neutral(2), pen).jaxpr)
+            jaxprs.append(jax.make_jaxpr(tail)(logits, SamplingBatch.neutral(2), pen, bias).jaxpr)
     for jx in jaxprs:
         names = {e.primitive.name for e in _eqns(jx)}
         assert not names & {"cond", "while"}, names & {"cond", "while"}
