@@ -298,6 +298,11 @@ calls() {
    in cuDNN's fused kernel (~4 min) -> media_gpu.txt, vision.json. Prediction: the tests pass (the image rows
    take the same path as the table's); the tower ~3-6 ms at 448 and, with XLA's O(n^2) scores, ~60-120 ms at
    1344 (9,216 patches, 16 heads); cuDNN 2-4x faster at 1344 with a bf16-level difference (~1e-2 of max |x|)
+46 the step's sampling tail with and without the logit-bias rows (session 32: the bias gather runs every step):
+   tests/test_sampling.py on the GPU, then bench/sampling_tail.py at K3's and k3-mini's vocabularies, 1 / 64 / 256
+   rows, greedy and sampled (~2 min) -> sampling_gpu.txt, sampling_tail.json. Prediction: the bias adds one
+   [rows, vocab] f32 gather and add: ~0.1-0.15 ms at 256 rows of 163,840 (168 MB read at ~3 TB/s, plus the add),
+   ~0.03 at 64, launch-bound (< 0.01 ms) at 1 row; the sampled tail (a sort) 5-20x the greedy one
 EOF
 }
 
@@ -329,6 +334,11 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST_ARGS...: pytest -m gpu under a ti
 }
 
 case "$1" in
+46)
+    step sampling_gpu timeout 240 python3 -m pytest -p no:cacheprovider -rfEX -q tests/test_sampling.py
+    mv "$OUT/sampling_gpu.log" "$OUT/sampling_gpu.txt"
+    step sampling_tail timeout 300 python3 bench/sampling_tail.py --out "$OUT/sampling_tail.json"
+    ;;
 44)
     step media_gpu timeout 240 python3 -m pytest -p no:cacheprovider -rfEX -q tests/test_media.py
     mv "$OUT/media_gpu.log" "$OUT/media_gpu.txt"
