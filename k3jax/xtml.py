@@ -398,19 +398,23 @@ def _load_part_image(p: dict, i: int):
         raise ValueError(f"messages[{i}]: image {str(src)[:64]!r}: {e}") from None
 
 
+def data_url_bytes(url: str) -> bytes:
+    """The bytes a `data:...;base64,` URL carries (ValueError naming what is wrong)."""
+    head, sep, data = url.partition(",")
+    if not url.startswith("data:") or not sep or not head.endswith(";base64"):
+        raise ValueError("a data URL must be base64 (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise ValueError("the data URL's base64 does not decode") from None
+
+
 def load_image_source(src: str):
     """An image from a path, a `file://` URL or a `data:image/...;base64,` URL (no network fetches)."""
     from k3jax.media import load_image
 
     if src.startswith("data:"):
-        head, sep, data = src.partition(",")
-        if not sep or not head.endswith(";base64"):
-            raise ValueError("a data URL must be base64 (data:image/png;base64,...)")
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except ValueError:
-            raise ValueError("the data URL's base64 does not decode") from None
-        return load_image(io.BytesIO(raw))
+        return load_image(io.BytesIO(data_url_bytes(src)))
     if src.startswith("file://"):
         src = src[len("file://"):]
     elif "://" in src:

@@ -178,14 +178,11 @@ def _read_json(path: str, flag: str):
 def _read_image(img, src: str, where: str):
     """Fill an Image message from a path (a .npy uint8 [H, W, 3] array goes raw, other files as their bytes), a
     file:// URL or a base64 data: URL."""
-    import base64
-
     try:
         if src.startswith("data:"):
-            head, _, data = src.partition(",")
-            if not head.endswith(";base64"):
-                raise UserError(f"{where}: a data URL must be base64 (data:image/png;base64,...)")
-            img.encoded = base64.b64decode(data, validate=True)
+            from k3jax.xtml import data_url_bytes
+
+            img.encoded = data_url_bytes(src)
             return
         path = src.removeprefix("file://")
         if "://" in path:

@@ -5,6 +5,7 @@ Its own module so both front ends see the same classes whether the server runs a
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 
@@ -21,6 +22,20 @@ class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+def api_key_matches(pairs, key: bytes) -> bool:
+    """Whether (lower-case name, value) pairs (gRPC metadata, HTTP headers) carry the API key, as
+    `authorization: Bearer KEY` or `x-api-key: KEY` (compared in constant time)."""
+    for k, v in pairs:
+        v = v.encode() if isinstance(v, str) else v
+        if k == "authorization" and v[:7].lower() == b"bearer ":
+            v = v[7:].strip()
+        elif k != "x-api-key":
+            continue
+        if hmac.compare_digest(v, key):
+            return True
+    return False
 
 
 def invalid(msg: str) -> RequestError:

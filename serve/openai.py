@@ -15,7 +15,6 @@ disconnects aborts its request.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -25,7 +24,8 @@ import uuid
 import grpc
 from aiohttp import web
 
-from serve.common import BIG_TEXT, ReplyStream, RequestError, decode_image_bytes, hostport
+from k3jax.xtml import data_url_bytes
+from serve.common import BIG_TEXT, ReplyStream, RequestError, api_key_matches, decode_image_bytes, hostport
 
 log = logging.getLogger("k3jax.serve")
 
@@ -96,7 +96,8 @@ class OpenAIFrontEnd:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         key = self.s.args.api_key
-        if key and request.path != "/health" and not _authorized(request, key):
+        if key and request.path != "/health" and not api_key_matches(
+                ((k.lower(), v) for k, v in request.headers.items()), key.encode()):
             self.s.metrics.error(grpc.StatusCode.UNAUTHENTICATED.name)
             return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                             kind="authentication_error").response()
@@ -215,7 +216,7 @@ class OpenAIFrontEnd:
 
         if body.get("stream"):
             return await self._sse(request, rs, body, lambda d, text: chunk(
-                text, self._completion_logprobs(d, sampling, text), _FINISH.get(d.finish_reason) if d.finished else None))
+                text, self._completion_logprobs(d, sampling), _FINISH.get(d.finish_reason) if d.finished else None))
         text, lps, last = await self._collect(rs)
         lp = None
         if sampling.logprobs is not None:
@@ -227,7 +228,7 @@ class OpenAIFrontEnd:
     def _token_text(self, t: int) -> str:
         return self.s.llm.model.tokenizer.decode([t], skip_special=False)
 
-    def _completion_logprobs(self, delta, sampling, text):
+    def _completion_logprobs(self, delta, sampling):
         if sampling.logprobs is None or not delta.token_ids:
             return None
         return self._completion_logprobs_of(list(zip(delta.token_ids, delta.logprobs or ())), sampling)
@@ -372,14 +373,6 @@ class OpenAIFrontEnd:
         return resp
 
 
-def _authorized(request: web.Request, key: str) -> bool:
-    import hmac
-
-    auth = request.headers.get("Authorization", "")
-    got = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(got.encode(), key.encode())
-
-
 def _messages(messages) -> list:
     """OpenAI messages with their image_url parts decoded (data: URLs only: the server reads no files or URLs)."""
     if not isinstance(messages, list) or not messages:
@@ -396,11 +389,10 @@ def _messages(messages) -> list:
                     if not isinstance(url, str) or not url.startswith("data:"):
                         raise _bad(f"{where}: send images as data: URLs (data:image/png;base64,...); this server "
                                    "fetches nothing", "messages")
-                    head, _, data = url.partition(",")
                     try:
-                        raw = base64.b64decode(data, validate=True)
-                    except ValueError:
-                        raise _bad(f"{where}: the data URL's base64 does not decode", "messages") from None
+                        raw = data_url_bytes(url)
+                    except ValueError as e:
+                        raise _bad(f"{where}: {e}", "messages") from None
                     try:
                         p = {"type": "image", "image": decode_image_bytes(raw, where)}
                     except RequestError as e:

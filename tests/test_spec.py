@@ -1,7 +1,6 @@
 """Speculative decoding (verify -> accept -> fold): greedy identity with the plain engine across
 engine features, the fold against plain decoding, lossless rejection sampling, memory accounting."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp
